@@ -1,0 +1,63 @@
+"""Errors of the daemon side, grouped by what a caller can do about them.
+
+Callers catch by meaning, never by message:
+
+    ConnectorError                 anything that went wrong talking to the daemon
+      DaemonTimeout                no answer within the caller's deadline
+      DaemonUnavailable            no connection: refused, down, or never reached
+        VersionSkew                a daemon answers the transport but not this protocol
+      ProtocolError                an answer that cannot be trusted: garbled frame,
+                                   wrong op echo, payload of the wrong type/shape/dtype,
+                                   or bytes that tried to run code
+      DaemonRejected               the daemon answered and said no
+    SlotsError (ValueError)        the caller passed KV slots that do not fit the request
+"""
+
+from __future__ import annotations
+
+
+class ConnectorError(Exception):
+    """Base of every error raised while talking to the LMCache daemon."""
+
+    #: Whether repeating the same call can succeed (used by retry policies).
+    retry_safe: bool = False
+
+
+class DaemonTimeout(ConnectorError):
+    """The daemon did not answer before the caller's deadline."""
+
+    retry_safe = True
+
+    def __init__(self, op: str, waited_s: float, detail: str = "") -> None:
+        self.op = op
+        self.waited_s = waited_s
+        msg = f"{op}: no reply from the LMCache daemon within {waited_s * 1000:.1f} ms"
+        super().__init__(f"{msg} ({detail})" if detail else msg)
+
+
+class DaemonUnavailable(ConnectorError):
+    """No connection to the daemon could be used before the deadline."""
+
+    retry_safe = True
+
+
+class VersionSkew(DaemonUnavailable):
+    """The endpoint accepts connections but never answers this client's protocol.
+
+    LMCache MP daemons of another version silently drop requests whose key layout
+    they cannot decode, so a version mismatch looks like a timeout on registration.
+    """
+
+    retry_safe = False
+
+
+class ProtocolError(ConnectorError):
+    """The daemon's answer is malformed or unsafe; it is discarded, never used."""
+
+
+class DaemonRejected(ConnectorError):
+    """The daemon answered and refused (e.g. success=False on prepare_retrieve)."""
+
+
+class SlotsError(ValueError):
+    """KV slots passed by the engine do not match the tokens they must hold."""
