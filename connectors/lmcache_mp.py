@@ -1,0 +1,363 @@
+"""The LMCache 0.5.6 multi-process client, engine-driven transfer mode.
+
+Who calls it: the orchestrator (match / load_back / store / heartbeat), the benchmarks,
+the chaos harness. Every method takes a timeout and returns or raises by then, whatever
+the daemon does; errors are the hierarchy in `connectors.errors`. It keeps no policy:
+no retries, no breaker, no metrics (see `orchestrator/`).
+
+KV bytes move in one of two ways, chosen by configuration (`transfer`):
+- "pickle": prepare_retrieve carries pickled chunk tensors, loaded by a restricted
+  unpickler (`connectors.safe_decode`); commit_store carries pickled chunks.
+- "shm": the daemon (started with --shm-name) hands out slot descriptors into its L1
+  pool in /dev/shm; chunks are copied through the mapping and no pickle is involved.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import msgspec
+import torch
+
+from . import wire
+from .errors import (
+    ConnectorError,
+    DaemonRejected,
+    DaemonTimeout,
+    DaemonUnavailable,
+    ProtocolError,
+    VersionSkew,
+)
+from .kv_layout import KVLayout, check_slots, gather_chunks, scatter_chunks
+from .safe_decode import dump_tensor_list, load_tensor_list
+from .transport import ZmqTransport
+
+Transfer = Literal["pickle", "shm"]
+_instance_ids = itertools.count(1)
+
+
+def _new_instance_id() -> int:
+    # Unique per process and per connector: the daemon keys registrations by it.
+    return (os.getpid() << 20) | next(_instance_ids)
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """The engine's KV memory: per layer a K and a V tensor `[slots, heads, head_dim]`."""
+
+    k_buffer: Sequence[torch.Tensor]
+    v_buffer: Sequence[torch.Tensor]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k_buffer[0].shape[0]
+
+
+class _ShmPool:
+    """A read/write mapping of the daemon's L1 pool (/dev/shm/<name>)."""
+
+    def __init__(self, name: str, size: int) -> None:
+        path = "/dev/shm/" + name.lstrip("/")
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise DaemonUnavailable(
+                f"cannot open the daemon's shared-memory pool {path}: {exc}; the daemon "
+                "must run on this host with --shm-name"
+            ) from exc
+        try:
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def view(self, slot: wire.ShmSlot, layout: KVLayout) -> torch.Tensor:
+        if slot.dtype != layout.dtype_str or tuple(slot.shape) != layout.chunk_shape:
+            raise ProtocolError(
+                f"shm slot of {slot.dtype}{slot.shape}, expected "
+                f"{layout.dtype_str}{list(layout.chunk_shape)}"
+            )
+        if slot.length != layout.chunk_bytes or slot.offset < 0 or (
+            slot.offset + slot.length > self.size
+        ):
+            raise ProtocolError(
+                f"shm slot [{slot.offset}, +{slot.length}) outside the {self.size}-byte pool"
+            )
+        raw = self.bytes[slot.offset : slot.offset + slot.length]
+        return raw.view(layout.dtype).view(layout.chunk_shape)
+
+    def close(self) -> None:
+        self.bytes = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with it
+
+
+class LMCacheMPConnector:
+    """Client of one LMCache MP daemon for one KV rank of one model."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        layout: KVLayout,
+        *,
+        model_name: str = "loadback",
+        world_size: int = 1,
+        kv_rank: int = 0,
+        transfer: Transfer = "pickle",
+        instance_id: int | None = None,
+        connect_timeout_s: float = 1.0,
+        transport: ZmqTransport | None = None,
+    ) -> None:
+        if transfer not in ("pickle", "shm"):
+            raise ValueError(f"transfer must be 'pickle' or 'shm', got {transfer!r}")
+        self.endpoint = endpoint
+        self.layout = layout
+        self.model_name = model_name
+        self.world_size = world_size
+        self.kv_rank = kv_rank
+        self.transfer = transfer
+        self.instance_id = instance_id if instance_id is not None else _new_instance_id()
+        self.transport = transport or ZmqTransport(endpoint, connect_timeout_s=connect_timeout_s)
+        self._shm: _ShmPool | None = None
+        self.registered_epoch: int | None = None
+
+    @property
+    def chunk_size(self) -> int:
+        return self.layout.chunk_size
+
+    # -- keys ----------------------------------------------------------------
+
+    def aligned(self, num_tokens: int) -> int:
+        return num_tokens // self.chunk_size * self.chunk_size
+
+    def key(
+        self,
+        token_ids: Sequence[int],
+        request_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        lookup: bool = False,
+        cache_salt: str = "",
+    ) -> wire.CacheKey:
+        end = self.aligned(len(token_ids)) if end is None else end
+        return wire.CacheKey(
+            model_name=self.model_name,
+            world_size=self.world_size,
+            worker_id=None if lookup else self.kv_rank,
+            token_ids=tuple(token_ids[:end]),
+            start=start,
+            end=end,
+            request_id=request_id,
+            cache_salt=cache_salt,
+        )
+
+    # -- plain operations ------------------------------------------------------
+
+    def _call(self, op: str, payloads: Sequence[object], timeout_s: float):
+        frame = self.transport.call(op, [wire.encode(p) for p in payloads], timeout_s)
+        decoder = wire.DECODERS.get(op)
+        if frame is None or decoder is None:
+            return None
+        try:
+            return decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"{op}: undecodable result ({exc})") from None
+
+    def noop(self, timeout_s: float) -> str:
+        return self._call("noop", [], timeout_s)
+
+    def ping(self, timeout_s: float) -> bool:
+        return bool(self._call("ping", [self.instance_id], timeout_s))
+
+    def get_chunk_size(self, timeout_s: float) -> int:
+        return self._call("get_chunk_size", [], timeout_s)
+
+    def register(self, timeout_s: float) -> wire.RegisterReply:
+        """Register this rank's KV layout; idempotent. Raises VersionSkew when the
+        endpoint answers the version-independent noop but ignores registration."""
+        start = time.monotonic()
+        payload = wire.RegisterPayload(
+            instance_id=self.instance_id, model_name=self.model_name,
+            world_size=self.world_size, block_size=1,
+            num_layers=self.layout.num_layers, hidden_dim_size=self.layout.hidden_dim,
+            dtype_str=self.layout.dtype_str, use_mla=False,
+            num_physical_slots=self.chunk_size,
+        )
+        epoch = self.transport.epoch
+        try:
+            reply = self._call("register_kv_cache_engine_driven_context", [payload], timeout_s)
+        except DaemonTimeout:
+            self._diagnose_silence(timeout_s - (time.monotonic() - start))
+            raise
+        if reply is None:
+            raise ProtocolError("register: empty reply")
+        if self.transfer == "shm":
+            if not reply.shm_name or reply.pool_size <= 0:
+                raise DaemonRejected(
+                    "transfer 'shm' needs a daemon started with --shm-name NAME; this one "
+                    "offers no shared-memory pool (use transfer 'pickle' or restart it)"
+                )
+            if self._shm is not None:
+                self._shm.close()
+            self._shm = _ShmPool(reply.shm_name, reply.pool_size)
+        self.registered_epoch = epoch
+        return reply
+
+    def _diagnose_silence(self, budget_s: float) -> None:
+        try:
+            answer = self.noop(max(0.05, min(0.5, budget_s)))
+        except ConnectorError:
+            return  # silent to everything: a hung daemon, the timeout stands
+        raise VersionSkew(
+            f"the daemon at {self.endpoint} answers noop ({answer!r}) but ignores "
+            f"registration: it runs another lmcache version. This client speaks lmcache=="
+            f"{wire.PROTOCOL_VERSION}; install exactly that version on both sides."
+        )
+
+    def unregister(self, timeout_s: float) -> None:
+        self._call("unregister_kv_cache_engine_driven_context", [self.instance_id], timeout_s)
+
+    def lookup(self, key: wire.CacheKey, timeout_s: float) -> None:
+        """Start a prefetch of `key` (worker_id None); the hit comes from prefetch_status."""
+        self._call("lookup", [key, self.world_size], timeout_s)
+
+    def query_prefetch_status(self, request_id: str, timeout_s: float) -> int | None:
+        """Hit chunks, or None while running. Answers once: a lost reply reads as a miss."""
+        return self._call("query_prefetch_status", [request_id], timeout_s)
+
+    def wait_prefetch_status(self, request_id: str, wait_s: float, timeout_s: float) -> int | None:
+        return self._call("wait_prefetch_status", [request_id, wait_s], timeout_s)
+
+    def free_lookup_locks(self, key: wire.CacheKey, timeout_s: float) -> None:
+        self._call("free_lookup_locks", [key, self.world_size], timeout_s)
+
+    def end_session(self, request_id: str, timeout_s: float) -> None:
+        self._call("end_session", [request_id], timeout_s)
+
+    # -- composite operations ------------------------------------------------
+
+    def lookup_hit_tokens(
+        self, token_ids: Sequence[int], request_id: str, timeout_s: float, *, cache_salt: str = ""
+    ) -> int:
+        """LOOKUP the whole chunks of `token_ids` and wait for the prefetch: hit tokens.
+
+        On a hit the daemon holds read locks on the hit chunks until a retrieve of that
+        range or free_lookup_locks. Raises on timeout; the caller then owes the daemon a
+        free_lookup_locks for the range (the prefetch may still complete).
+        """
+        deadline = time.monotonic() + timeout_s
+        end = self.aligned(len(token_ids))
+        if end == 0:
+            return 0
+        self.lookup(self.key(token_ids, request_id, lookup=True, cache_salt=cache_salt), timeout_s)
+        pause = 0.0001
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DaemonTimeout("query_prefetch_status", timeout_s, "prefetch still running")
+            chunks = self.query_prefetch_status(request_id, remaining)
+            if chunks is not None:
+                hit = chunks * self.chunk_size
+                if hit < 0 or hit > end:
+                    raise ProtocolError(f"prefetch reports {chunks} chunks of a {end}-token key")
+                return hit
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.002)
+
+    def retrieve_into(
+        self,
+        token_ids: Sequence[int],
+        request_id: str,
+        pool: KVPool,
+        slots: torch.Tensor,
+        *,
+        start: int,
+        end: int,
+        timeout_s: float,
+        cache_salt: str = "",
+    ) -> int:
+        """Copy tokens [start, end) (chunk-aligned, locked by a lookup of `request_id`)
+        into `slots`; returns bytes landed. All or nothing: every chunk is validated
+        before the first byte is written to the pool."""
+        deadline = time.monotonic() + timeout_s
+        slots = check_slots(self.layout, slots, end - start, pool_slots=pool.num_slots)
+        key = self.key(token_ids, request_id, start=start, end=end, cache_salt=cache_salt)
+        reply = self._call("prepare_retrieve", [key, self.instance_id], timeout_s)
+        if reply is None or not reply.success:
+            raise DaemonRejected(
+                f"prepare_retrieve [{start}, {end}) refused: the lookup locks are gone "
+                "(expired, freed, or the daemon restarted)"
+            )
+        n_chunks = (end - start) // self.chunk_size
+        if self.transfer == "shm":
+            chunks = self._shm_views(reply.context, n_chunks)
+        else:
+            chunks = load_tensor_list(
+                reply.data, expected_shape=self.layout.chunk_shape,
+                expected_dtype=self.layout.dtype, max_items=n_chunks,
+            )
+        if len(chunks) != n_chunks:
+            raise ProtocolError(f"prepare_retrieve returned {len(chunks)} of {n_chunks} chunks")
+        scatter_chunks(self.layout, chunks, pool.k_buffer, pool.v_buffer, slots)
+        del chunks
+        ok = self._call("commit_retrieve", [key, self.instance_id],
+                        max(0.0, deadline - time.monotonic()))
+        if self.transfer == "shm" and not ok:
+            raise DaemonRejected("commit_retrieve refused")
+        return n_chunks * self.layout.chunk_bytes
+
+    def _shm_views(self, context: wire.ShmContext, n_chunks: int) -> list[torch.Tensor]:
+        if self._shm is None:
+            raise DaemonUnavailable("shared-memory pool not mapped: register first")
+        if len(context.slots) != n_chunks:
+            raise ProtocolError(f"daemon offered {len(context.slots)} of {n_chunks} chunks")
+        return [self._shm.view(s, self.layout) for s in context.slots]
+
+    def store_from(
+        self,
+        token_ids: Sequence[int],
+        request_id: str,
+        pool: KVPool,
+        slots: torch.Tensor,
+        *,
+        timeout_s: float,
+        cache_salt: str = "",
+    ) -> bool:
+        """STORE the whole chunks of `token_ids`, whose KV sits in `slots`."""
+        deadline = time.monotonic() + timeout_s
+        end = self.aligned(len(token_ids))
+        if end == 0:
+            return True
+        slots = check_slots(self.layout, slots[:end], end, pool_slots=pool.num_slots)
+        key = self.key(token_ids, request_id, end=end, cache_salt=cache_salt)
+        prep = self._call("prepare_store", [key, self.instance_id], timeout_s)
+        left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
+        if self.transfer == "shm":
+            ctx = prep.context if prep is not None else wire.ShmContext()
+            if not ctx.slots:
+                return True  # every chunk is cached already
+            if len(ctx.slots) != len(ctx.chunk_indices):
+                raise ProtocolError("prepare_store: slots and chunk_indices differ in length")
+            views = [self._shm.view(s, self.layout) for s in ctx.slots]
+            gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots,
+                          out=views, chunk_indices=list(ctx.chunk_indices))
+            del views
+            return bool(self._call("commit_store", [key, self.instance_id, b""], left()))
+        chunks = gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots)
+        data = dump_tensor_list(chunks)
+        return bool(self._call("commit_store", [key, self.instance_id, data], left()))
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+        self.transport.close()

@@ -1,0 +1,214 @@
+"""Deadline-keeping request/reply over ZMQ to the LMCache daemon.
+
+The transport knows frames, sockets and deadlines; it knows nothing about retries,
+breakers or metrics (callers read `late_replies` and `epoch`).
+
+Design choices, each answering one of the daemon's traps:
+- One DEALER per calling thread, never shared: a slow or blocked call in one thread
+  (the scheduler) cannot stall another (the heartbeat), unlike a shared polling loop.
+- `IMMEDIATE=1`: nothing is queued while no connection exists, so requests made while
+  the daemon is down are refused at once (DaemonUnavailable) instead of being delivered
+  to whatever daemon binds the port next.
+- After a timeout the socket is drained (anything there is a late reply, counted and
+  dropped) and closed with linger 0; the next call builds a fresh one. A request stuck
+  in a dead connection's pipe therefore never reaches a restarted daemon.
+- `CONNECT_TIMEOUT`, `RECONNECT_IVL(_MAX)`: TCP connects never inherit the OS timeout.
+- A sentinel socket with a ZMQ monitor counts (re)connections: `epoch` increases when a
+  new daemon process accepts us after a disconnect, which is how a restart is noticed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Sequence
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .errors import DaemonTimeout, DaemonUnavailable, ProtocolError
+from .wire import OP_FRAMES
+
+_uid_decoder = msgspec.msgpack.Decoder(int)
+
+
+class ZmqTransport:
+    """Thread-safe RPC to one daemon endpoint with a hard deadline per call."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        connect_timeout_s: float = 1.0,
+        reconnect_ivl_s: float = 0.05,
+        reconnect_ivl_max_s: float = 0.5,
+    ) -> None:
+        self.endpoint = endpoint
+        self._connect_timeout_ms = max(1, int(connect_timeout_s * 1000))
+        self._reconnect_ms = max(1, int(reconnect_ivl_s * 1000))
+        self._reconnect_max_ms = max(self._reconnect_ms, int(reconnect_ivl_max_s * 1000))
+        self._ctx = zmq.Context()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._sockets: dict[int, zmq.Socket] = {}
+        self._uids = itertools.count(1)
+        self._closed = False
+        self.late_replies = 0
+        self.sockets_replaced = 0
+        # Restart detection (see module docstring).
+        self._epoch = 0
+        self._connected_once = False
+        self._disconnected = False
+        self._sentinel = self._new_socket()
+        self._monitor = self._sentinel.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
+
+    # -- sockets -------------------------------------------------------------
+
+    def _new_socket(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, self._connect_timeout_ms)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, self._connect_timeout_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL, self._reconnect_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_max_ms)
+        sock.connect(self.endpoint)
+        return sock
+
+    def _socket(self) -> zmq.Socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            with self._lock:
+                if self._closed:
+                    raise DaemonUnavailable(f"client for {self.endpoint} is closed")
+                sock = self._new_socket()
+                self._sockets[threading.get_ident()] = sock
+                self._prune_dead_threads()
+            self._local.sock = sock
+        return sock
+
+    def _prune_dead_threads(self) -> None:
+        alive = {t.ident for t in threading.enumerate()}
+        for ident in [i for i in self._sockets if i not in alive]:
+            self._sockets.pop(ident).close(linger=0)
+
+    def _discard_socket(self, sock: zmq.Socket) -> None:
+        """Drop this thread's socket: late replies are counted, queued requests die."""
+        self.late_replies += self._drain(sock)
+        with self._lock:
+            self._sockets.pop(threading.get_ident(), None)
+            self.sockets_replaced += 1
+        sock.close(linger=0)
+        self._local.sock = None
+
+    @staticmethod
+    def _drain(sock: zmq.Socket) -> int:
+        n = 0
+        while True:
+            try:
+                sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return n
+            except zmq.ZMQError:
+                return n
+            n += 1
+
+    # -- calls ---------------------------------------------------------------
+
+    def call(
+        self, op: str, payloads: Sequence[bytes], timeout_s: float
+    ) -> memoryview | None:
+        """Send `op` and wait at most `timeout_s` for its reply.
+
+        Returns the result frame (a memoryview valid until the next call on this
+        thread) or None when the daemon's handler returned None. Raises DaemonTimeout,
+        DaemonUnavailable or ProtocolError; never blocks past the deadline.
+        """
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        sock = self._socket()
+        uid = next(self._uids)
+        op_frame = OP_FRAMES[op]
+        frames = [msgspec.msgpack.encode(uid), op_frame, *payloads]
+        self._send(sock, op, frames, deadline, timeout_s)
+        while True:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not sock.poll(max(1, int(remaining_ms + 0.999)), zmq.POLLIN):
+                if time.monotonic() < deadline:
+                    continue
+                self._discard_socket(sock)
+                raise DaemonTimeout(op, timeout_s)
+            reply = sock.recv_multipart(copy=False)
+            try:
+                reply_uid = _uid_decoder.decode(reply[0].buffer)
+            except (msgspec.DecodeError, IndexError):
+                raise ProtocolError(f"{op}: reply with an undecodable request id") from None
+            if reply_uid != uid:
+                # A reply to a call that already gave up (or a duplicate): never hand it on.
+                self.late_replies += 1
+                continue
+            if len(reply) < 2 or reply[1].bytes != op_frame:
+                raise ProtocolError(f"{op}: reply echoes another operation")
+            if len(reply) == 2:
+                return None
+            if len(reply) > 3:
+                raise ProtocolError(f"{op}: reply has {len(reply)} frames, expected 2 or 3")
+            return reply[2].buffer
+
+    def _send(self, sock, op, frames, deadline, timeout_s) -> None:
+        while True:
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not sock.poll(max(1, int(remaining_ms)), zmq.POLLOUT):
+                if time.monotonic() < deadline:
+                    continue
+                raise DaemonUnavailable(
+                    f"{op}: no connection to the LMCache daemon at {self.endpoint} within "
+                    f"{timeout_s * 1000:.0f} ms (refused, down or not accepting); "
+                    "check that the daemon runs and listens there"
+                )
+
+    # -- restart detection ---------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """How many times a daemon accepted us again after a disconnect."""
+        with self._lock:
+            if self._closed:
+                return self._epoch
+            while self._monitor.poll(0):
+                event = recv_monitor_message(self._monitor)["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    self._disconnected = True
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    if self._connected_once and self._disconnected:
+                        self._epoch += 1
+                    self._connected_once = True
+                    self._disconnected = False
+            return self._epoch
+
+    @property
+    def connected(self) -> bool:
+        """Whether the sentinel currently holds a live connection (best effort)."""
+        _ = self.epoch
+        return self._connected_once and not self._disconnected
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for sock in self._sockets.values():
+                sock.close(linger=0)
+            self._sockets.clear()
+            self._sentinel.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sentinel.close(linger=0)
+        self._ctx.term()
