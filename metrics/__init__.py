@@ -1,0 +1,11 @@
+"""Prometheus instruments and the /metrics server; never imports `orchestrator`."""
+from metrics.instruments import LoadbackMetrics, UnknownLabelError
+from metrics.server import MetricsServer, MetricsServerBindError, start_metrics_server
+
+__all__ = [
+    "LoadbackMetrics",
+    "MetricsServer",
+    "MetricsServerBindError",
+    "UnknownLabelError",
+    "start_metrics_server",
+]
