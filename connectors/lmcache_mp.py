@@ -14,6 +14,7 @@ KV bytes move in one of two ways, chosen by configuration (`transfer`):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import mmap
 import os
@@ -31,6 +32,7 @@ from .errors import (
     DaemonTimeout,
     DaemonUnavailable,
     ProtocolError,
+    SlotsError,
     VersionSkew,
 )
 from .kv_layout import KVLayout, check_slots, gather_chunks, scatter_chunks
@@ -98,6 +100,23 @@ class _ShmPool:
             self._map.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with it
+
+
+def scatter_skipping(layout: KVLayout, chunks, pool: KVPool, slots: torch.Tensor, skip: int) -> None:
+    """Scatter chunks into slots, dropping the first `skip` tokens of the first chunk."""
+    if skip == 0:
+        scatter_chunks(layout, chunks, pool.k_buffer, pool.v_buffer, slots)
+        return
+    for i, c in enumerate(chunks):  # validate all before writing any (all or nothing)
+        if not isinstance(c, torch.Tensor) or tuple(c.shape) != layout.chunk_shape \
+                or c.dtype != layout.dtype:
+            raise ProtocolError(f"chunk {i} is not a {layout.chunk_shape} {layout.dtype} tensor")
+    head = layout.chunk_size - skip
+    head_layout = dataclasses.replace(layout, chunk_size=head)
+    scatter_chunks(head_layout, [chunks[0][:, :, skip:, :].contiguous()],
+                   pool.k_buffer, pool.v_buffer, slots[:head])
+    if len(chunks) > 1:
+        scatter_chunks(layout, chunks[1:], pool.k_buffer, pool.v_buffer, slots[head:])
 
 
 class LMCacheMPConnector:
@@ -243,6 +262,21 @@ class LMCacheMPConnector:
     def end_session(self, request_id: str, timeout_s: float) -> None:
         self._call("end_session", [request_id], timeout_s)
 
+    def free_locks(self, token_ids: Sequence[int], request_id: str, start: int, end: int,
+                   timeout_s: float, *, cache_salt: str = "") -> None:
+        if end > start:
+            key = self.key(token_ids, request_id, start=start, end=end, lookup=True,
+                           cache_salt=cache_salt)
+            self.free_lookup_locks(key, timeout_s)
+
+    @property
+    def epoch(self) -> int:
+        return self.transport.epoch
+
+    @property
+    def late_replies(self) -> int:
+        return self.transport.late_replies
+
     # -- composite operations ------------------------------------------------
 
     def lookup_hit_tokens(
@@ -283,13 +317,19 @@ class LMCacheMPConnector:
         start: int,
         end: int,
         timeout_s: float,
+        skip: int = 0,
         cache_salt: str = "",
     ) -> int:
-        """Copy tokens [start, end) (chunk-aligned, locked by a lookup of `request_id`)
-        into `slots`; returns bytes landed. All or nothing: every chunk is validated
-        before the first byte is written to the pool."""
+        """Copy tokens [start + skip, end) into `slots`; [start, end) is chunk-aligned and
+        locked by a lookup of `request_id`; `skip` leading tokens are already cached by the
+        engine. Returns bytes landed. All or nothing: every chunk is validated before the
+        first byte is written to the pool."""
         deadline = time.monotonic() + timeout_s
-        slots = check_slots(self.layout, slots, end - start, pool_slots=pool.num_slots)
+        if not 0 <= skip < self.chunk_size:
+            raise ValueError(f"skip must be in [0, {self.chunk_size}), got {skip}")
+        if len(slots) != end - start - skip:
+            raise SlotsError(f"retrieve of tokens [{start + skip}, {end}) needs "
+                             f"{end - start - skip} slots, got {len(slots)}")
         key = self.key(token_ids, request_id, start=start, end=end, cache_salt=cache_salt)
         reply = self._call("prepare_retrieve", [key, self.instance_id], timeout_s)
         if reply is None or not reply.success:
@@ -307,7 +347,7 @@ class LMCacheMPConnector:
             )
         if len(chunks) != n_chunks:
             raise ProtocolError(f"prepare_retrieve returned {len(chunks)} of {n_chunks} chunks")
-        scatter_chunks(self.layout, chunks, pool.k_buffer, pool.v_buffer, slots)
+        scatter_skipping(self.layout, chunks, pool, slots, skip)
         del chunks
         ok = self._call("commit_retrieve", [key, self.instance_id],
                         max(0.0, deadline - time.monotonic()))
@@ -337,7 +377,7 @@ class LMCacheMPConnector:
         end = self.aligned(len(token_ids))
         if end == 0:
             return True
-        slots = check_slots(self.layout, slots[:end], end, pool_slots=pool.num_slots)
+        slots = check_slots(self.layout, slots[:end], end, pool_size=pool.num_slots)
         key = self.key(token_ids, request_id, end=end, cache_salt=cache_salt)
         prep = self._call("prepare_store", [key, self.instance_id], timeout_s)
         left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731

@@ -1,0 +1,63 @@
+"""What the orchestrator needs from a daemon connector.
+
+Implemented by `LMCacheMPConnector` (the daemon over ZMQ) and `InMemoryConnector` (no I/O;
+benchmarks of the orchestrator's own cost and property tests). Every method is called by
+the orchestrator only, from the scheduler thread or the heartbeat thread, and must return
+or raise a `connectors.errors.ConnectorError` within the timeout it is given: it must never
+block longer, never retry, never count metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from .kv_layout import KVLayout
+
+
+class Connector(Protocol):
+    layout: KVLayout
+
+    @property
+    def chunk_size(self) -> int: ...
+
+    @property
+    def epoch(self) -> int:
+        """Increases whenever the daemon behind the connector is a new process
+        (restarted): registrations, locks and cached chunks from before are gone."""
+
+    @property
+    def late_replies(self) -> int:
+        """Replies that arrived after their caller gave up (dropped, never used)."""
+
+    def register(self, timeout_s: float) -> object:
+        """Called at start and after every restart by the heartbeat; idempotent."""
+
+    def ping(self, timeout_s: float) -> bool:
+        """Heartbeat and breaker probe; keeps the daemon from reaping this worker."""
+
+    def lookup_hit_tokens(self, token_ids: Sequence[int], request_id: str, timeout_s: float,
+                          *, cache_salt: str = "") -> int:
+        """match(): how many leading tokens the daemon holds (chunk multiple). On a hit
+        the daemon holds read locks on those chunks for `request_id`."""
+
+    def free_locks(self, token_ids: Sequence[int], request_id: str, start: int, end: int,
+                   timeout_s: float, *, cache_salt: str = "") -> None:
+        """Release the lookup's read locks on chunks [start, end)."""
+
+    def retrieve_into(self, token_ids: Sequence[int], request_id: str, pool, slots: torch.Tensor,
+                      *, start: int, end: int, timeout_s: float, skip: int = 0,
+                      cache_salt: str = "") -> int:
+        """load_back(): copy tokens [start + skip, end) into `slots` (len end-start-skip).
+        All or nothing: nothing is written unless every chunk arrived and checked out.
+        Returns bytes written."""
+
+    def store_from(self, token_ids: Sequence[int], request_id: str, pool, slots: torch.Tensor,
+                   *, timeout_s: float, cache_salt: str = "") -> bool:
+        """Store the whole chunks of `token_ids` from `slots`."""
+
+    def end_session(self, request_id: str, timeout_s: float) -> None:
+        """finish()/abort(): drop the daemon's session for `request_id`."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,93 @@
+"""The `loadback` command: demo, chaos, bench, tune, config validate|show, diagram.
+
+Exit codes: 0 ok; 1 a check failed (invariant, benchmark target); 2 an invalid config;
+3 an unreadable config file; 64 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+EXIT_INVALID, EXIT_UNREADABLE = 2, 3
+
+
+def _config_cmd(args: argparse.Namespace) -> int:
+    from .config import ConfigError, LoadBackConfig
+
+    try:
+        if args.action == "validate":
+            LoadBackConfig.from_yaml(args.file)
+            print(f"{args.file}: valid")
+            return 0
+        rows = LoadBackConfig.explain(args.file)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE if exc.unreadable else EXIT_INVALID
+    if args.json:
+        print(json.dumps({k: {"value": v, "from": src} for k, v, src in rows}, indent=2))
+        return 0
+    width = max(len(k) for k, _, _ in rows)
+    for key, value, src in rows:
+        print(f"{key:<{width}}  {value!s:<14}  ({src})")
+    return 0
+
+
+def _diagram_cmd(args: argparse.Namespace) -> int:
+    from .states import mermaid
+
+    print(mermaid())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="loadback", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("config", help="validate or show a YAML config")
+    p.add_argument("action", choices=["validate", "show"])
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true", help="show: machine-readable output")
+    p.set_defaults(fn=_config_cmd)
+
+    p = sub.add_parser("diagram", help="print the prefix state machine as mermaid")
+    p.set_defaults(fn=_diagram_cmd)
+
+    p = sub.add_parser("demo", help="a real daemon, a workload, a kill and a restart")
+    p.add_argument("--requests", type=int, default=240)
+    p.add_argument("--json", metavar="FILE")
+    p.set_defaults(fn=lambda a: __import__("orchestrator.demo", fromlist=["run"]).run(a))
+
+    p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator)")
+    p.add_argument("suite", choices=["client", "core"])
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--samples", type=int, default=0, help="samples per point (0 = default)")
+    p.set_defaults(fn=lambda a: __import__(f"orchestrator.bench.{a.suite}",
+                                           fromlist=["run"]).run(a))
+
+    p = sub.add_parser("chaos", help="break the daemon on purpose and check the invariants")
+    csub = p.add_subparsers(dest="chaos_cmd", required=True)
+    cr = csub.add_parser("run")
+    cr.add_argument("--scenario", default="all")
+    cr.add_argument("--requests", type=int, default=0, help="requests per scenario (0 = its own)")
+    cr.add_argument("--json", metavar="FILE")
+    cr.set_defaults(fn=lambda a: __import__("orchestrator.chaos", fromlist=["run"]).run(a))
+
+    p = sub.add_parser("tune", help="measure a running daemon and recommend a config")
+    p.add_argument("--daemon", required=True, metavar="HOST:PORT")
+    p.add_argument("--out", default="loadback-tuned.yaml")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=10000.0)
+    p.add_argument("--requests", type=int, default=20, help="per prefix size")
+    p.set_defaults(fn=lambda a: __import__("orchestrator.tune", fromlist=["run"]).run(a))
+
+    args = parser.parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,523 @@
+"""LoadBackOrchestrator: the two-phase load-back, one state machine per prefix.
+
+Who calls it: the SGLang cache hook (match_prefix -> `match`, init_load_back ->
+`load_back`, cache_finished_req -> `store` + `finish`, abort -> `abort`), the demo, the
+chaos harness and the benchmarks. Nothing here may block past a deadline or raise into
+the engine for a daemon failure: failures become `degraded` with a reason, and the
+engine recomputes. Where a RETRIEVE is sent: `_retrieve_once`; where its deadline is
+decided: `load_back` (config.deadlines.retrieve_s); where its outcome is counted: `_settle`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from connectors.errors import (
+    ConnectorError,
+    DaemonRejected,
+    DaemonTimeout,
+    DaemonUnavailable,
+    ProtocolError,
+    SlotsError,
+)
+from metrics import LoadbackMetrics
+
+from .config import LoadBackConfig
+from .policies import BreakEvenGuard, BreakerState, CircuitBreaker, Clock, monotonic, retrying
+from .states import DegradeReason, PrefixState, fire, transition_pairs
+from .tp import TPAgreement
+
+log = logging.getLogger("loadback")
+R = DegradeReason
+S = PrefixState
+OPS = ("lookup", "retrieve", "store", "free_locks", "end_session", "ping", "register")
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    loaded_tokens: int
+    state: PrefixState | None
+    reason: DegradeReason | None = None
+    elapsed_s: float = 0.0
+
+
+@dataclass(eq=False)
+class Prefix:
+    """One request prefix's walk through the machine, and the marker of its promise."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    local_tokens: int
+    cache_salt: str
+    epoch: int
+    state: str = S.LOOKING_UP.value
+    hit_tokens: int = 0
+    locked_from: int = 0          # chunks [locked_from, hit) still hold lookup read locks
+    reason: DegradeReason | None = None
+    attempts: int = 0
+    created: float = 0.0
+
+    @property
+    def promised_tokens(self) -> int:
+        return max(0, self.hit_tokens - self.local_tokens)
+
+
+@dataclass
+class _Debt:
+    """Cleanup the daemon is owed but could not take yet (down, hung, breaker open)."""
+
+    what: str
+    run: Callable[[float], None]
+    epoch: int
+    tries: int = 0
+
+
+class LoadBackOrchestrator:
+    def __init__(
+        self,
+        config: LoadBackConfig,
+        connector,
+        *,
+        metrics: LoadbackMetrics | None = None,
+        tp_group=None,
+        kv_pool=None,
+        clock: Clock = monotonic,
+        start_heartbeat: bool | None = None,
+    ) -> None:
+        self.config = config
+        self.connector = connector
+        self.kv_pool = kv_pool
+        self.clock = clock
+        self.metrics = metrics or LoadbackMetrics(
+            states=[s.value for s in PrefixState], reasons=[r.value for r in DegradeReason],
+            ops=OPS, transitions=transition_pairs(),
+        )
+        self.tp = TPAgreement(tp_group)
+        self.breaker = CircuitBreaker(config.breaker, clock=clock, on_change=self.metrics.breaker)
+        self.break_even = BreakEvenGuard(config.break_even, connector.layout.bytes_per_token)
+        self._live: dict[str, Prefix] = {}
+        self._sessions: set[str] = set()
+        self._debts: list[_Debt] = []
+        self._lock = threading.RLock()
+        self._registered_epoch: int | None = None
+        self._late_seen = 0
+        self._closed = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.metrics.set_daemon_up(False)
+        self._heartbeat: threading.Thread | None = None
+        if start_heartbeat if start_heartbeat is not None else config.heartbeat.enabled:
+            # Startup never blocks on the daemon: registration happens on this thread.
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop,
+                                               name="loadback-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    # ------------------------------------------------------------------ match
+
+    def match(self, request_id: str, token_ids: Sequence[int], *, local_hit_tokens: int = 0,
+              cache_salt: str = "") -> int:
+        """Tokens the engine may load beyond its local hit (0 = recompute). Bounded by
+        deadlines.lookup_ms; repeated calls for a live request answer from the marker."""
+        with self._lock:
+            p = self._live.get(request_id)
+            if p is not None:
+                return p.promised_tokens if p.state == S.MARKED.value else 0
+        chunk = self.connector.chunk_size
+        aligned = len(token_ids) // chunk * chunk
+        if aligned - local_hit_tokens < max(1, self.config.break_even.min_tokens):
+            return 0  # the daemon cannot add enough to matter: do not even ask
+        if not self.breaker.allow() or not self._registered():
+            self.metrics.observe_lookup(None, "skipped")
+            return 0
+        start = self.clock()
+        p = Prefix(request_id, tuple(token_ids), local_hit_tokens, cache_salt,
+                   epoch=self._registered_epoch, created=start)
+        with self._lock:
+            self._sessions.add(request_id)
+        hit, reason = self._lookup(p, self.config.deadlines.lookup_ms / 1000)
+        # One decision across TP ranks: a failed rank reports -1, the minimum wins.
+        agreed = self.tp.min(hit if reason is None else -1)
+        result = "error" if agreed < 0 else "hit" if agreed > local_hit_tokens else "miss"
+        self.metrics.observe_lookup(self.clock() - start, result)
+        if agreed <= local_hit_tokens:
+            if hit > 0:
+                self._free_locks(p, 0, hit)
+            if agreed < 0:
+                self._enter(p)
+                self._finish_degraded(p, reason or R.TP_PEER_FAILED, locks=False)
+            return 0  # a clean miss leaves no machine
+        p.hit_tokens = agreed
+        self._enter(p)
+        self._fire(p, "hit")
+        if hit > agreed:
+            self._free_locks(p, agreed, hit)  # this rank holds more than the group agreed on
+        if not self.break_even.worth_loading(p.promised_tokens):
+            self._finish_degraded(p, R.BELOW_BREAK_EVEN, locks=True)
+            return 0
+        # Chunks the engine already has are not retrieved: release their locks now.
+        p.locked_from = local_hit_tokens // chunk * chunk
+        if p.locked_from:
+            self._free_locks(p, 0, p.locked_from)
+        self._fire(p, "mark")
+        return p.promised_tokens
+
+    def _lookup(self, p: Prefix, budget_s: float) -> tuple[int, DegradeReason | None]:
+        deadline = self.clock() + budget_s
+        try:
+            for attempt in retrying(self.config.retries, budget_s, clock=self.clock,
+                                    only=DaemonUnavailable,
+                                    before_retry=lambda _s: self.metrics.retry("lookup")):
+                with attempt:
+                    left = deadline - self.clock()
+                    if left <= 0:
+                        raise DaemonTimeout("lookup", budget_s)
+                    try:
+                        hit = self.connector.lookup_hit_tokens(
+                            p.token_ids, p.request_id, left, cache_salt=p.cache_salt)
+                    except DaemonTimeout:
+                        # The prefetch may still complete and lock chunks: owe a release.
+                        self._owe_free(p, 0, len(p.token_ids) // self.connector.chunk_size
+                                       * self.connector.chunk_size)
+                        raise
+            self.breaker.record(True)
+            return hit, None
+        except DaemonTimeout:
+            self.breaker.record(False)
+            self.metrics.timeout("lookup")
+            return 0, R.LOOKUP_TIMEOUT
+        except ConnectorError as exc:
+            self.breaker.record(False)
+            log.debug("lookup %s failed: %s", p.request_id, exc)
+            return 0, R.LOOKUP_ERROR
+
+    # -------------------------------------------------------------- load_back
+
+    def load_back(self, request_id: str, slots: torch.Tensor | None) -> LoadResult:
+        """RETRIEVE the promised tokens into `slots` (one slot per promised token) within
+        the retrieve deadline. All or nothing: every promised token byte-exact, or 0."""
+        start = self.clock()
+        with self._lock:
+            p = self._live.get(request_id)
+        if p is None or p.state != S.MARKED.value:
+            state = PrefixState(p.state) if p else None
+            return LoadResult(0, state, p.reason if p else None)
+        n = p.promised_tokens
+        if slots is None or len(slots) == 0:
+            self._finish_degraded(p, R.ALLOC_FAILED, locks=True)
+            return self._result(p, start)
+        if len(slots) != n:
+            self._finish_degraded(p, R.BAD_SLOTS, locks=True)
+            raise SlotsError(
+                f"load_back({request_id!r}): got {len(slots)} KV slots for {n} promised tokens; "
+                f"allocate exactly the host_hit_length that match() returned ({n})")
+        if self.kv_pool is None:
+            self._finish_degraded(p, R.ALLOC_FAILED, locks=True)
+            return self._result(p, start)
+        if self.connector.epoch != p.epoch:
+            self._finish_degraded(p, R.DAEMON_RESTARTED, locks=False)
+            return self._result(p, start)
+        if not self.breaker.allow():
+            self._finish_degraded(p, R.BREAKER_OPEN, locks=True)
+            return self._result(p, start)
+        self._fire(p, "start_retrieve")
+        budget = self.config.deadlines.retrieve_s(n)
+        nbytes, reason = self._retrieve(p, slots, budget)
+        ok = self.tp.min(1 if reason is None else 0)
+        self.metrics.observe_retrieve(self.clock() - start)
+        if ok:
+            self.break_even.observe(nbytes, self.clock() - start)
+            self._fire(p, "land")
+            self._settle(p, loaded_bytes=nbytes)
+        else:
+            # Locks were released by the successful prepare_retrieve or are owed already.
+            self._finish_degraded(p, reason or R.TP_PEER_FAILED, locks=False)
+        return self._result(p, start)
+
+    def _retrieve(self, p: Prefix, slots: torch.Tensor, budget_s: float
+                  ) -> tuple[int, DegradeReason | None]:
+        deadline = self.clock() + budget_s
+        start, end = p.locked_from, p.hit_tokens
+        skip = p.local_tokens - start
+        last: BaseException | None = None
+        try:
+            for attempt in retrying(self.config.retries, budget_s, clock=self.clock,
+                                    before_retry=lambda _s: self._before_retry(p)):
+                with attempt:
+                    left = deadline - self.clock()
+                    if left <= 0:
+                        raise DaemonTimeout("retrieve", budget_s)
+                    if p.attempts > 0 and not isinstance(last, DaemonUnavailable):
+                        # A lost reply may have consumed the locks: look up again first.
+                        hit = self.connector.lookup_hit_tokens(
+                            p.token_ids, p.request_id, left, cache_salt=p.cache_salt)
+                        if hit < end:
+                            if hit:
+                                self._free_locks(p, 0, hit)
+                            raise DaemonRejected(f"re-lookup found {hit} of {end} tokens")
+                        if start:
+                            self._free_locks(p, 0, start)
+                        if hit > end:
+                            self._free_locks(p, end, hit)
+                        left = deadline - self.clock()
+                    p.attempts += 1
+                    try:
+                        nbytes = self.connector.retrieve_into(
+                            p.token_ids, p.request_id, self.kv_pool, slots, start=start,
+                            end=end, timeout_s=left, skip=skip, cache_salt=p.cache_salt)
+                    except ConnectorError as exc:
+                        # Only a refusal leaves the locks with us; a reply (or a request the
+                        # daemon may still process) releases them daemon-side, and freeing
+                        # twice would strip another reader's lock: those wait for the TTL.
+                        last = exc
+                        if isinstance(exc, DaemonRejected):
+                            self._owe_free(p, start, end)
+                        raise
+            self.breaker.record(True)
+            return nbytes, None
+        except SlotsError:
+            raise
+        except ConnectorError as exc:
+            self.breaker.record(False)
+            if isinstance(exc, DaemonTimeout):
+                self.metrics.timeout("retrieve")
+                return 0, R.RETRIEVE_TIMEOUT
+            if isinstance(exc, ProtocolError):
+                return 0, R.SHORT_READ if "chunks" in str(exc) else R.CORRUPT_DATA
+            return 0, R.RETRIEVE_ERROR
+
+    def _before_retry(self, p: Prefix) -> None:
+        self.metrics.retry("retrieve")
+        self._fire(p, "retry")
+
+    # ------------------------------------------------------------ store/finish
+
+    def store(self, request_id: str, token_ids: Sequence[int], slots: torch.Tensor,
+              *, cache_salt: str = "") -> bool:
+        """STORE the finished request's whole chunks (bounded by deadlines.store_ms)."""
+        if self.kv_pool is None or not self.breaker.allow() or not self._registered():
+            return False
+        if len(token_ids) < self.connector.chunk_size:
+            return True
+        with self._lock:
+            self._sessions.add(request_id)
+        try:
+            ok = self.connector.store_from(token_ids, request_id, self.kv_pool, slots,
+                                           timeout_s=self.config.deadlines.store_ms / 1000,
+                                           cache_salt=cache_salt)
+            self.breaker.record(True)
+            return ok
+        except SlotsError:
+            raise
+        except ConnectorError as exc:
+            self.breaker.record(False)
+            if isinstance(exc, DaemonTimeout):
+                self.metrics.timeout("store")
+            log.debug("store %s failed: %s", request_id, exc)
+            return False
+
+    def finish(self, request_id: str) -> None:
+        """The request is done: settle its prefix (a promise never loaded is aborted) and
+        end its daemon session."""
+        self._release(request_id, R.ABORTED)
+
+    def abort(self, request_id: str) -> None:
+        """Release everything the request holds: locks, session, its prefix."""
+        self._release(request_id, R.ABORTED)
+
+    def _release(self, request_id: str, reason: DegradeReason) -> None:
+        with self._lock:
+            p = self._live.get(request_id)
+            had_session = request_id in self._sessions
+            self._sessions.discard(request_id)
+        if p is not None and not PrefixState(p.state).terminal:
+            self._finish_degraded(p, reason, locks=True)
+        with self._lock:
+            self._live.pop(request_id, None)
+        if had_session:
+            self._control("end_session", lambda t: self.connector.end_session(request_id, t),
+                          epoch=p.epoch if p else self._registered_epoch)
+
+    def state_of(self, request_id: str) -> PrefixState | None:
+        with self._lock:
+            p = self._live.get(request_id)
+        return PrefixState(p.state) if p else None
+
+    def live_prefixes(self) -> int:
+        with self._lock:
+            return sum(1 for p in self._live.values() if not PrefixState(p.state).terminal)
+
+    def pending_debts(self) -> int:
+        with self._lock:
+            return len(self._debts)
+
+    # --------------------------------------------------------------- plumbing
+
+    def _enter(self, p: Prefix) -> None:
+        with self._lock:
+            self._live[p.request_id] = p
+        self.metrics.live_delta(p.state, +1)
+
+    def _fire(self, p: Prefix, trigger: str) -> None:
+        src, dst = fire(p, trigger)
+        self.metrics.transition(src, dst)
+        if src != dst:
+            self.metrics.live_delta(src, -1)
+            if not PrefixState(dst).terminal:
+                self.metrics.live_delta(dst, +1)
+
+    def _finish_degraded(self, p: Prefix, reason: DegradeReason, *, locks: bool) -> None:
+        if locks and p.hit_tokens > p.locked_from and p.state != S.LOOKING_UP.value:
+            self._free_locks(p, p.locked_from, p.hit_tokens)
+        p.reason = reason
+        self._fire(p, "degrade")
+        self._settle(p)
+
+    def _settle(self, p: Prefix, loaded_bytes: int = 0) -> None:
+        loaded = p.state == S.LOADED.value
+        self.metrics.outcome(p.state, None if loaded else p.reason.value,
+                             promised_tokens=p.promised_tokens,
+                             loaded_tokens=p.promised_tokens if loaded else 0,
+                             loaded_bytes=loaded_bytes)
+
+    def _result(self, p: Prefix, start: float) -> LoadResult:
+        loaded = p.promised_tokens if p.state == S.LOADED.value else 0
+        return LoadResult(loaded, PrefixState(p.state), p.reason, self.clock() - start)
+
+    def _free_locks(self, p: Prefix, start: int, end: int) -> None:
+        if end > start:
+            self._control("free_locks", lambda t: self.connector.free_locks(
+                p.token_ids, p.request_id, start, end, t, cache_salt=p.cache_salt), epoch=p.epoch)
+
+    def _owe_free(self, p: Prefix, start: int, end: int) -> None:
+        if end > start:
+            self._owe("free_locks", lambda t: self.connector.free_locks(
+                p.token_ids, p.request_id, start, end, t, cache_salt=p.cache_salt), p.epoch)
+
+    def _control(self, op: str, run: Callable[[float], None], *, epoch: int | None) -> None:
+        """A release the daemon is owed: now if it answers, else queued for the heartbeat."""
+        if self.breaker.allow():
+            try:
+                run(self.config.deadlines.control_ms / 1000)
+                return
+            except ConnectorError:
+                self.breaker.record(False)
+        self._owe(op, run, epoch if epoch is not None else -1)
+
+    def _owe(self, op: str, run: Callable[[float], None], epoch: int) -> None:
+        with self._lock:
+            self._debts.append(_Debt(op, run, epoch))
+
+    def _registered(self) -> bool:
+        epoch = self.connector.epoch
+        if self._registered_epoch is None or epoch != self._registered_epoch:
+            self._wake.set()  # let the heartbeat (re-)register now
+            return False
+        return True
+
+    # -------------------------------------------------------------- heartbeat
+
+    def tick(self) -> None:
+        """One heartbeat: register if needed, probe when the breaker allows, ping, pay
+        debts. Runs on the heartbeat thread; tests call it directly."""
+        late = self.connector.late_replies
+        if late > self._late_seen:
+            self.metrics.late_reply(late - self._late_seen)
+            self._late_seen = late
+        if self.breaker.state == BreakerState.OPEN and not self.breaker.probe_due():
+            return
+        control_s = self.config.deadlines.control_ms / 1000
+        epoch = self.connector.epoch
+        try:
+            if self._registered_epoch is None or epoch != self._registered_epoch:
+                self.connector.register(control_s)
+                if self._registered_epoch is not None:
+                    self.metrics.reregistered()
+                    with self._lock:  # the old daemon's locks and sessions died with it
+                        self._debts = [d for d in self._debts if d.epoch == epoch]
+                        self._sessions.clear()
+                self._registered_epoch = epoch
+            else:
+                self.connector.ping(control_s)
+        except ConnectorError as exc:
+            log.debug("heartbeat failed: %s", exc)
+            self.metrics.set_daemon_up(False)
+            if self.breaker.state == BreakerState.HALF_OPEN or self._registered_epoch is None:
+                self.breaker.record(False) if self.breaker.state == BreakerState.HALF_OPEN \
+                    else self.breaker.trip()
+            else:
+                self.breaker.record(False)
+            return
+        self.metrics.set_daemon_up(True)
+        if self.breaker.state == BreakerState.HALF_OPEN:
+            self.breaker.record(True)
+        self._pay_debts(control_s)
+
+    def _pay_debts(self, control_s: float) -> None:
+        with self._lock:
+            debts, self._debts = self._debts, []
+        epoch = self.connector.epoch
+        keep = []
+        for d in debts:
+            if d.epoch not in (epoch, -1):
+                continue  # the daemon that was owed is gone, and its locks with it
+            try:
+                d.run(control_s)
+            except ConnectorError:
+                d.tries += 1
+                if d.tries < 10:
+                    keep.append(d)
+        with self._lock:
+            self._debts.extend(keep)
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat.interval_ms / 1000
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # the heartbeat must outlive any bug in one tick
+                log.exception("heartbeat tick failed")
+            self._wake.wait(interval if self._registered_epoch is not None else
+                            min(interval, 0.05))
+            self._wake.clear()
+
+    def wait_registered(self, timeout_s: float) -> bool:
+        """Test and demo helper: wait until the heartbeat has registered."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self._registered():
+                return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        """Abort every live prefix, pay what the daemon is owed (bounded), unregister."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        with self._lock:
+            ids = list(self._live) + [s for s in self._sessions if s not in self._live]
+        for rid in ids:
+            self._release(rid, R.CLOSED)
+        self._pay_debts(self.config.deadlines.control_ms / 1000)
+        try:
+            if self._registered_epoch is not None and self.breaker.allow():
+                self.connector.unregister(self.config.deadlines.control_ms / 1000)
+        except (ConnectorError, AttributeError):
+            pass
+        self.connector.close()
+
+    def __enter__(self) -> "LoadBackOrchestrator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

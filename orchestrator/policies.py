@@ -1,0 +1,185 @@
+"""Policies, declared as data from the config: clock, retries, circuit breaker, break-even.
+
+Each policy is a small object the orchestrator consults; none of them does I/O.
+Time comes from one injectable clock so deadline and cooldown tests run in milliseconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import tenacity
+
+from connectors.errors import ConnectorError, VersionSkew
+
+from .config import BreakEven, Breaker, Retries
+
+Clock = Callable[[], float]
+monotonic: Clock = time.monotonic
+
+
+# -- retries -------------------------------------------------------------------
+
+
+def retry_safe(exc: BaseException) -> bool:
+    """Only daemon-side failures are retried; a version skew never heals by retrying."""
+    return isinstance(exc, ConnectorError) and not isinstance(exc, VersionSkew)
+
+
+def retrying(policy: Retries, budget_s: float, *, clock: Clock = monotonic,
+             sleep: Callable[[float], None] = time.sleep,
+             before_retry: Callable[[tenacity.RetryCallState], None] | None = None,
+             only: type[BaseException] | None = None) -> tenacity.Retrying:
+    """A tenacity policy that never starts an attempt it could not finish in `budget_s`.
+
+    tenacity cannot cancel an attempt in flight: each attempt's own timeout (the socket
+    poll) is what bounds it; this stops before the next one would cross the budget.
+    """
+    return tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(policy.max_attempts)
+        | tenacity.stop_before_delay(budget_s),
+        wait=tenacity.wait_exponential_jitter(
+            multiplier=policy.backoff_initial_ms / 1000,
+            max=policy.backoff_max_ms / 1000,
+            jitter=policy.jitter_ms / 1000,
+        ),
+        retry=tenacity.retry_if_exception(
+            retry_safe if only is None else (lambda e: isinstance(e, only))),
+        reraise=True,
+        sleep=sleep,
+        before_sleep=before_retry,
+    )
+
+
+# -- circuit breaker ---------------------------------------------------------
+
+
+class BreakerState:
+    CLOSED = "closed"
+    HALF_OPEN = "half_open"
+    OPEN = "open"
+
+
+@dataclass
+class CircuitBreaker:
+    """Opens on N consecutive failures or a failure ratio over a window of calls.
+
+    While open, `allow()` answers False at once (no socket is touched). After a cooldown
+    one probe is let through (half-open); its failure reopens with the cooldown doubled
+    up to a cap, its success closes.
+    """
+
+    policy: Breaker
+    clock: Clock = monotonic
+    on_change: Callable[[str], None] | None = None
+    state: str = BreakerState.CLOSED
+    _consecutive: int = 0
+    _window: collections.deque = field(default_factory=collections.deque)
+    _opened_at: float = 0.0
+    _cooldown_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def allow(self) -> bool:
+        """May a normal call go to the daemon now? (Never transitions state.)"""
+        return self.state == BreakerState.CLOSED
+
+    def probe_due(self) -> bool:
+        """Open and cooled down: the heartbeat should send one probe now."""
+        if self.state == BreakerState.OPEN and self.clock() - self._opened_at >= self._cooldown_s:
+            self._set(BreakerState.HALF_OPEN)
+            return True
+        return self.state == BreakerState.HALF_OPEN
+
+    def record(self, ok: bool) -> None:
+        with self._lock:
+            if self.state == BreakerState.HALF_OPEN:
+                if ok:
+                    self._close()
+                else:
+                    self._open(min(self._cooldown_s * 2, self.policy.cooldown_max_ms / 1000))
+                return
+            if self.state == BreakerState.OPEN:
+                return
+            window = self._window
+            window.append(ok)
+            if len(window) > self.policy.window:
+                window.popleft()
+            self._consecutive = 0 if ok else self._consecutive + 1
+            if ok:
+                return
+            failures = len(window) - sum(window)
+            if self._consecutive >= self.policy.consecutive_failures or (
+                len(window) >= self.policy.min_calls
+                and failures / len(window) >= self.policy.failure_ratio
+            ):
+                self._open(self.policy.cooldown_ms / 1000)
+
+    def trip(self) -> None:
+        """Open now (e.g. the daemon cannot be reached at start-up)."""
+        with self._lock:
+            if self.state != BreakerState.OPEN:
+                self._open(self._cooldown_s * 2 if self.state == BreakerState.HALF_OPEN
+                           else self.policy.cooldown_ms / 1000)
+
+    def _open(self, cooldown_s: float) -> None:
+        self._cooldown_s = min(max(cooldown_s, self.policy.cooldown_ms / 1000),
+                               self.policy.cooldown_max_ms / 1000)
+        self._opened_at = self.clock()
+        self._set(BreakerState.OPEN)
+
+    def _close(self) -> None:
+        self._window.clear()
+        self._consecutive = 0
+        self._cooldown_s = 0.0
+        self._set(BreakerState.CLOSED)
+
+    def _set(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            if self.on_change:
+                self.on_change(state)
+
+    @property
+    def cooldown_s(self) -> float:
+        return self._cooldown_s
+
+
+# -- break-even ----------------------------------------------------------------
+
+
+@dataclass
+class BreakEvenGuard:
+    """Load only when it beats recomputing: a token floor and a time comparison.
+
+    Load time = tokens * bytes_per_token / bandwidth, bandwidth learned online (EMA of
+    measured retrieves); recompute time = tokens / prefill_tokens_per_s (operator-given).
+    """
+
+    policy: BreakEven
+    bytes_per_token: int
+    bandwidth_bps: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.bandwidth_bps = self.policy.initial_bandwidth_gbps * 1e9
+
+    def worth_loading(self, tokens: int) -> bool:
+        if tokens <= 0 or tokens < self.policy.min_tokens:
+            return False
+        if self.policy.prefill_tokens_per_s <= 0:
+            return True
+        return self.load_seconds(tokens) < tokens / self.policy.prefill_tokens_per_s
+
+    def load_seconds(self, tokens: int) -> float:
+        return tokens * self.bytes_per_token / self.bandwidth_bps
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        a = self.policy.bandwidth_ema_alpha
+        with self._lock:
+            self.bandwidth_bps = (1 - a) * self.bandwidth_bps + a * (nbytes / seconds)

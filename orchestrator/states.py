@@ -1,0 +1,97 @@
+"""The per-prefix state machine: one table, one shared `transitions.Machine`.
+
+The table below is the single source of truth: the orchestrator fires its triggers,
+`loadback diagram` draws it, the stateful property test walks it. One Machine is shared by
+every prefix (a Machine per request costs ~70 us; a trigger on the shared one ~5 us), and
+prefixes are passed to its events as models without being added to it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from transitions import Machine, MachineError
+
+__all__ = ["PrefixState", "DegradeReason", "TRANSITIONS", "fire", "MachineError", "mermaid"]
+
+
+class PrefixState(str, enum.Enum):
+    LOOKING_UP = "looking_up"   # LOOKUP sent; no answer yet (a clean miss leaves no trace)
+    MATCHED = "matched"         # the daemon holds more than the local cache, under read locks
+    MARKED = "marked"           # promised to the engine; the marker is stored
+    RETRIEVING = "retrieving"   # RETRIEVE in flight (attempt k of n, deadline t)
+    LOADED = "loaded"           # terminal: every promised token landed, checked
+    DEGRADED = "degraded"       # terminal: the engine recomputes; always has a reason
+
+    @property
+    def terminal(self) -> bool:
+        return self in (PrefixState.LOADED, PrefixState.DEGRADED)
+
+
+class DegradeReason(str, enum.Enum):
+    LOOKUP_TIMEOUT = "lookup_timeout"
+    LOOKUP_ERROR = "lookup_error"
+    BREAKER_OPEN = "breaker_open"
+    BELOW_BREAK_EVEN = "below_break_even"
+    RETRIEVE_TIMEOUT = "retrieve_timeout"
+    RETRIEVE_ERROR = "retrieve_error"
+    SHORT_READ = "short_read"
+    CORRUPT_DATA = "corrupt_data"
+    ALLOC_FAILED = "alloc_failed"
+    BAD_SLOTS = "bad_slots"
+    DAEMON_RESTARTED = "daemon_restarted"
+    TP_PEER_FAILED = "tp_peer_failed"
+    ABORTED = "aborted"
+    CLOSED = "closed"
+
+
+S = PrefixState
+_LIVE = [S.LOOKING_UP, S.MATCHED, S.MARKED, S.RETRIEVING]
+
+#: (trigger, sources, destination). Fits on one screen; everything else derives from it.
+TRANSITIONS: list[tuple[str, list[PrefixState], PrefixState]] = [
+    ("hit", [S.LOOKING_UP], S.MATCHED),
+    ("mark", [S.MATCHED], S.MARKED),
+    ("start_retrieve", [S.MARKED], S.RETRIEVING),
+    ("retry", [S.RETRIEVING], S.RETRIEVING),
+    ("land", [S.RETRIEVING], S.LOADED),
+    ("degrade", _LIVE, S.DEGRADED),
+]
+
+MACHINE = Machine(
+    model=None,
+    states=[s.value for s in PrefixState],
+    transitions=[
+        {"trigger": t, "source": [s.value for s in src], "dest": dst.value}
+        for t, src, dst in TRANSITIONS
+    ],
+    initial=S.LOOKING_UP.value,
+    auto_transitions=False,
+)
+_EVENTS = MACHINE.events
+
+
+def fire(prefix, trigger: str) -> tuple[str, str]:
+    """Apply `trigger` to `prefix` (which has a `.state` str); returns (src, dst).
+
+    Raises transitions.MachineError for a transition the table does not define.
+    """
+    src = prefix.state
+    _EVENTS[trigger].trigger(prefix)
+    return src, prefix.state
+
+
+def transition_pairs() -> list[tuple[str, str]]:
+    return [(s.value, dst.value) for _, src, dst in TRANSITIONS for s in src]
+
+
+def mermaid() -> str:
+    """The table as a mermaid state diagram (the README embeds this output)."""
+    lines = ["stateDiagram-v2", f"    [*] --> {S.LOOKING_UP.value}"]
+    for trigger, src, dst in TRANSITIONS:
+        for s in src:
+            lines.append(f"    {s.value} --> {dst.value}: {trigger}")
+    lines.append(f"    {S.LOOKING_UP.value} --> [*]: miss (no trace)")
+    for s in (S.LOADED, S.DEGRADED):
+        lines.append(f"    {s.value} --> [*]")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""Shared fixtures: a real lmcache 0.5.6 daemon per test module, KV pools, orchestrators."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+from connectors.daemon import DaemonProcess  # noqa: E402
+from connectors.kv_layout import KVLayout  # noqa: E402
+from connectors.lmcache_mp import KVPool, LMCacheMPConnector  # noqa: E402
+
+CHUNK = 16
+
+
+def make_pool(layout: KVLayout, num_slots: int = 4096, *, fill: bool = True) -> KVPool:
+    """An SGLang-shaped pool: per layer K and V `[num_slots, heads, head_dim]`."""
+    shape = (num_slots, layout.num_heads, layout.head_dim)
+    if fill:
+        k = [torch.randn(shape).to(layout.dtype) for _ in range(layout.num_layers)]
+        v = [torch.randn(shape).to(layout.dtype) for _ in range(layout.num_layers)]
+    else:
+        k = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+        v = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+    return KVPool(k, v)
+
+
+def kv_of(pool: KVPool, slots: torch.Tensor) -> list[torch.Tensor]:
+    """The bytes a prefix occupies in a pool, for byte-exact comparisons."""
+    idx = slots.to(torch.int64)
+    return [t[idx].clone() for t in list(pool.k_buffer) + list(pool.v_buffer)]
+
+
+def same_kv(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture
+def layout() -> KVLayout:
+    return KVLayout(num_layers=2, num_heads=4, head_dim=16, dtype=torch.float16, chunk_size=CHUNK)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    """A real daemon with the admin API (lock and session counts), stopped by PID."""
+    d = DaemonProcess(chunk_size=CHUNK, http=True)
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def live_daemon(daemon):
+    """The module's daemon, guaranteed running and not paused when the test starts."""
+    daemon.resume()
+    if daemon.proc is None or daemon.proc.poll() is not None:
+        daemon.start()
+    yield daemon
+    daemon.resume()
+
+
+@pytest.fixture
+def connector_factory(layout):
+    made = []
+
+    def make(d: DaemonProcess, **kw) -> LMCacheMPConnector:
+        c = LMCacheMPConnector(d.endpoint, kw.pop("layout", layout), **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
