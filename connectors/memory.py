@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from .errors import DaemonRejected
+from .errors import DaemonRejected, DaemonTimeout
 from .kv_layout import KVLayout, gather_chunks
 from .lmcache_mp import scatter_skipping
 
@@ -28,19 +28,24 @@ class InMemoryConnector:
         self.locks: collections.Counter = collections.Counter()   # request_id -> locked chunks
         self.sessions: set[str] = set()
         self.calls: collections.Counter = collections.Counter()
-        #: op -> callables raising the next failures, consumed one per call.
-        self.fail_next: dict[str, collections.deque[Callable[[], None]]] = \
+        #: op -> the next failures to raise, one per call. A DaemonTimeout models a lost
+        #: reply: the daemon did the work (took or released locks), the answer never came.
+        self.fail_next: dict[str, collections.deque[Exception]] = \
             collections.defaultdict(collections.deque)
 
     @property
     def chunk_size(self) -> int:
         return self.layout.chunk_size
 
-    def _maybe_fail(self, op: str) -> None:
+    def _failure(self, op: str) -> Exception | None:
         self.calls[op] += 1
         q = self.fail_next.get(op)
-        if q:
-            q.popleft()()
+        return q.popleft() if q else None
+
+    def _maybe_fail(self, op: str) -> None:
+        exc = self._failure(op)
+        if exc is not None:
+            raise exc
 
     def _hashes(self, token_ids: Sequence[int], end: int, salt: str) -> list[bytes]:
         h = hashlib.blake2b(salt.encode(), digest_size=16)
@@ -62,7 +67,9 @@ class InMemoryConnector:
         return True
 
     def lookup_hit_tokens(self, token_ids, request_id, timeout_s, *, cache_salt=""):
-        self._maybe_fail("lookup")
+        exc = self._failure("lookup")
+        if exc is not None and not isinstance(exc, DaemonTimeout):
+            raise exc
         self.sessions.add(request_id)
         end = len(token_ids) // self.chunk_size * self.chunk_size
         hit = 0
@@ -71,6 +78,8 @@ class InMemoryConnector:
                 break
             hit += 1
         self.locks[request_id] += hit
+        if exc is not None:
+            raise exc
         return hit * self.chunk_size
 
     def free_locks(self, token_ids, request_id, start, end, timeout_s, *, cache_salt=""):
@@ -80,9 +89,13 @@ class InMemoryConnector:
 
     def retrieve_into(self, token_ids, request_id, pool, slots, *, start, end, timeout_s,
                       skip=0, cache_salt=""):
-        self._maybe_fail("retrieve")
+        exc = self._failure("retrieve")
         hashes = self._hashes(token_ids, end, cache_salt)[start // self.chunk_size:]
         n = len(hashes)
+        if isinstance(exc, DaemonTimeout):
+            self.locks[request_id] = max(0, self.locks[request_id] - n)
+        if exc is not None:
+            raise exc
         if self.locks[request_id] < n or any(h not in self._chunks for h in hashes):
             raise DaemonRejected("chunks not locked by a lookup of this request")
         chunks = [self._chunks[h] for h in hashes]

@@ -106,6 +106,7 @@ class LoadBackOrchestrator:
         self._debts: list[_Debt] = []
         self._lock = threading.RLock()
         self._registered_epoch: int | None = None
+        self._suspect = False  # a call went unanswered: re-register (idempotent) next tick
         self._late_seen = 0
         self._closed = False
         self._wake = threading.Event()
@@ -190,6 +191,7 @@ class LoadBackOrchestrator:
         except DaemonTimeout:
             self.breaker.record(False)
             self.metrics.timeout("lookup")
+            self._suspect = True
             return 0, R.LOOKUP_TIMEOUT
         except ConnectorError as exc:
             self.breaker.record(False)
@@ -284,6 +286,7 @@ class LoadBackOrchestrator:
             raise
         except ConnectorError as exc:
             self.breaker.record(False)
+            self._suspect = True
             if isinstance(exc, DaemonTimeout):
                 self.metrics.timeout("retrieve")
                 return 0, R.RETRIEVE_TIMEOUT
@@ -433,10 +436,13 @@ class LoadBackOrchestrator:
             return
         control_s = self.config.deadlines.control_ms / 1000
         epoch = self.connector.epoch
+        must_register = (self._registered_epoch is None or epoch != self._registered_epoch
+                         or self._suspect)
         try:
-            if self._registered_epoch is None or epoch != self._registered_epoch:
+            if must_register:
                 self.connector.register(control_s)
-                if self._registered_epoch is not None:
+                self._suspect = False
+                if self._registered_epoch is not None and epoch != self._registered_epoch:
                     self.metrics.reregistered()
                     with self._lock:  # the old daemon's locks and sessions died with it
                         self._debts = [d for d in self._debts if d.epoch == epoch]
@@ -447,9 +453,8 @@ class LoadBackOrchestrator:
         except ConnectorError as exc:
             log.debug("heartbeat failed: %s", exc)
             self.metrics.set_daemon_up(False)
-            if self.breaker.state == BreakerState.HALF_OPEN or self._registered_epoch is None:
-                self.breaker.record(False) if self.breaker.state == BreakerState.HALF_OPEN \
-                    else self.breaker.trip()
+            if self._registered_epoch is None and self.breaker.state == BreakerState.CLOSED:
+                self.breaker.trip()  # never reached: answer 0 at once until a probe succeeds
             else:
                 self.breaker.record(False)
             return
