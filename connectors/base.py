@@ -46,6 +46,11 @@ class Connector(Protocol):
                    timeout_s: float, *, cache_salt: str = "") -> None:
         """Release the lookup's read locks on chunks [start, end)."""
 
+    def settle_lookup(self, token_ids: Sequence[int], request_id: str, timeout_s: float,
+                      *, cache_salt: str = "") -> bool:
+        """Heartbeat, after a LOOKUP timed out: release what that lookup locked once its
+        result exists; False while it cannot tell yet."""
+
     def retrieve_into(self, token_ids: Sequence[int], request_id: str, pool, slots: torch.Tensor,
                       *, start: int, end: int, timeout_s: float, skip: int = 0,
                       cache_salt: str = "") -> int:

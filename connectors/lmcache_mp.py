@@ -269,6 +269,17 @@ class LMCacheMPConnector:
                            cache_salt=cache_salt)
             self.free_lookup_locks(key, timeout_s)
 
+    def settle_lookup(self, token_ids: Sequence[int], request_id: str, timeout_s: float,
+                      *, cache_salt: str = "") -> bool:
+        """After a LOOKUP whose answer never came: once its prefetch has finished, release
+        whatever it locked. False while it may still be running (ask again later)."""
+        chunks = self.query_prefetch_status(request_id, timeout_s)
+        if not chunks:
+            return False  # still running (None), or unknown so far (0): not settled yet
+        self.free_locks(token_ids, request_id, 0, chunks * self.chunk_size, timeout_s,
+                        cache_salt=cache_salt)
+        return True
+
     @property
     def epoch(self) -> int:
         return self.transport.epoch

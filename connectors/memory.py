@@ -87,6 +87,11 @@ class InMemoryConnector:
         n = (end - start) // self.chunk_size
         self.locks[request_id] = max(0, self.locks[request_id] - n)
 
+    def settle_lookup(self, token_ids, request_id, timeout_s, *, cache_salt=""):
+        self._maybe_fail("settle_lookup")
+        self.locks[request_id] = 0
+        return True
+
     def retrieve_into(self, token_ids, request_id, pool, slots, *, start, end, timeout_s,
                       skip=0, cache_salt=""):
         exc = self._failure("retrieve")

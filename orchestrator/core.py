@@ -70,12 +70,18 @@ class Prefix:
 
 @dataclass
 class _Debt:
-    """Cleanup the daemon is owed but could not take yet (down, hung, breaker open)."""
+    """Cleanup the daemon is owed but could not take yet (down, hung, breaker open).
+
+    `run(timeout_s)` returns False (or raises) while it cannot complete yet. Debts of one
+    request are paid in order: a session is never ended before its locks are settled.
+    """
 
     what: str
-    run: Callable[[float], None]
+    request_id: str
+    run: Callable[[float], bool | None]
     epoch: int
     tries: int = 0
+    max_tries: int = 20
 
 
 class LoadBackOrchestrator:
@@ -182,9 +188,12 @@ class LoadBackOrchestrator:
                         hit = self.connector.lookup_hit_tokens(
                             p.token_ids, p.request_id, left, cache_salt=p.cache_salt)
                     except DaemonTimeout:
-                        # The prefetch may still complete and lock chunks: owe a release.
-                        self._owe_free(p, 0, len(p.token_ids) // self.connector.chunk_size
-                                       * self.connector.chunk_size)
+                        # The daemon may still run this LOOKUP and lock chunks: settle it
+                        # (wait for its result, release its locks) before anything else.
+                        self._owe(_Debt("settle_lookup", p.request_id, lambda t: (
+                            self.connector.settle_lookup(p.token_ids, p.request_id, t,
+                                                         cache_salt=p.cache_salt)),
+                            p.epoch, max_tries=5))
                         raise
             self.breaker.record(True)
             return hit, None
@@ -278,7 +287,7 @@ class LoadBackOrchestrator:
                         # twice would strip another reader's lock: those wait for the TTL.
                         last = exc
                         if isinstance(exc, DaemonRejected):
-                            self._owe_free(p, start, end)
+                            self._free_locks(p, start, end)
                         raise
             self.breaker.record(True)
             return nbytes, None
@@ -343,8 +352,9 @@ class LoadBackOrchestrator:
         with self._lock:
             self._live.pop(request_id, None)
         if had_session:
-            self._control("end_session", lambda t: self.connector.end_session(request_id, t),
-                          epoch=p.epoch if p else self._registered_epoch)
+            self._control("end_session", request_id,
+                          lambda t: self.connector.end_session(request_id, t),
+                          p.epoch if p else self._registered_epoch)
 
     def state_of(self, request_id: str) -> PrefixState | None:
         with self._lock:
@@ -394,27 +404,27 @@ class LoadBackOrchestrator:
 
     def _free_locks(self, p: Prefix, start: int, end: int) -> None:
         if end > start:
-            self._control("free_locks", lambda t: self.connector.free_locks(
-                p.token_ids, p.request_id, start, end, t, cache_salt=p.cache_salt), epoch=p.epoch)
-
-    def _owe_free(self, p: Prefix, start: int, end: int) -> None:
-        if end > start:
-            self._owe("free_locks", lambda t: self.connector.free_locks(
+            self._control("free_locks", p.request_id, lambda t: self.connector.free_locks(
                 p.token_ids, p.request_id, start, end, t, cache_salt=p.cache_salt), p.epoch)
 
-    def _control(self, op: str, run: Callable[[float], None], *, epoch: int | None) -> None:
-        """A release the daemon is owed: now if it answers, else queued for the heartbeat."""
-        if self.breaker.allow():
+    def _control(self, op: str, request_id: str, run: Callable[[float], bool | None],
+                 epoch: int | None) -> None:
+        """A release the daemon is owed: now if it answers and nothing of this request is
+        queued before it, else queued for the heartbeat."""
+        debt = _Debt(op, request_id, run, epoch if epoch is not None else -1)
+        with self._lock:
+            queued = any(d.request_id == request_id for d in self._debts)
+        if not queued and self.breaker.allow():
             try:
-                run(self.config.deadlines.control_ms / 1000)
-                return
+                if run(self.config.deadlines.control_ms / 1000) is not False:
+                    return
             except ConnectorError:
                 self.breaker.record(False)
-        self._owe(op, run, epoch if epoch is not None else -1)
+        self._owe(debt)
 
-    def _owe(self, op: str, run: Callable[[float], None], epoch: int) -> None:
+    def _owe(self, debt: _Debt) -> None:
         with self._lock:
-            self._debts.append(_Debt(op, run, epoch))
+            self._debts.append(debt)
 
     def _registered(self) -> bool:
         epoch = self.connector.epoch
@@ -467,18 +477,25 @@ class LoadBackOrchestrator:
         with self._lock:
             debts, self._debts = self._debts, []
         epoch = self.connector.epoch
-        keep = []
+        keep: list[_Debt] = []
+        blocked: set[str] = set()
         for d in debts:
             if d.epoch not in (epoch, -1):
                 continue  # the daemon that was owed is gone, and its locks with it
+            if d.request_id in blocked:
+                keep.append(d)
+                continue
             try:
-                d.run(control_s)
+                done = d.run(control_s) is not False
             except ConnectorError:
+                done = False
+            if not done:
                 d.tries += 1
-                if d.tries < 10:
+                if d.tries < d.max_tries:
                     keep.append(d)
+                    blocked.add(d.request_id)
         with self._lock:
-            self._debts.extend(keep)
+            self._debts = keep + self._debts
 
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat.interval_ms / 1000
