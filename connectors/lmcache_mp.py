@@ -213,7 +213,9 @@ class LMCacheMPConnector:
         )
         epoch = self.transport.epoch
         try:
-            reply = self._call("register_kv_cache_engine_driven_context", [payload], timeout_s)
+            # Keep a slice of the budget to tell a hung daemon from one of another version.
+            reply = self._call("register_kv_cache_engine_driven_context", [payload],
+                               timeout_s * 0.75)
         except DaemonTimeout:
             self._diagnose_silence(timeout_s - (time.monotonic() - start))
             raise
@@ -232,8 +234,10 @@ class LMCacheMPConnector:
         return reply
 
     def _diagnose_silence(self, budget_s: float) -> None:
+        if budget_s <= 0.002:
+            return
         try:
-            answer = self.noop(max(0.05, min(0.5, budget_s)))
+            answer = self.noop(budget_s)
         except ConnectorError:
             return  # silent to everything: a hung daemon, the timeout stands
         raise VersionSkew(

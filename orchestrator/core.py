@@ -140,6 +140,8 @@ class LoadBackOrchestrator:
         if aligned - local_hit_tokens < max(1, self.config.break_even.min_tokens):
             return 0  # the daemon cannot add enough to matter: do not even ask
         if not self.breaker.allow() or not self._registered():
+            # Other TP ranks may be asking: join the decision with a "cannot" (-1).
+            self.tp.min(-1)
             self.metrics.observe_lookup(None, "skipped")
             return 0
         start = self.clock()
@@ -164,7 +166,9 @@ class LoadBackOrchestrator:
         self._fire(p, "hit")
         if hit > agreed:
             self._free_locks(p, agreed, hit)  # this rank holds more than the group agreed on
-        if not self.break_even.worth_loading(p.promised_tokens):
+        # Bandwidth is learned per rank: the break-even verdict is agreed on too.
+        worth = self.tp.min(int(self.break_even.worth_loading(p.promised_tokens)))
+        if not worth:
             self._finish_degraded(p, R.BELOW_BREAK_EVEN, locks=True)
             return 0
         # Chunks the engine already has are not retrieved: release their locks now.
@@ -227,14 +231,13 @@ class LoadBackOrchestrator:
             raise SlotsError(
                 f"load_back({request_id!r}): got {len(slots)} KV slots for {n} promised tokens; "
                 f"allocate exactly the host_hit_length that match() returned ({n})")
-        if self.kv_pool is None:
-            self._finish_degraded(p, R.ALLOC_FAILED, locks=True)
-            return self._result(p, start)
-        if self.connector.epoch != p.epoch:
-            self._finish_degraded(p, R.DAEMON_RESTARTED, locks=False)
-            return self._result(p, start)
-        if not self.breaker.allow():
-            self._finish_degraded(p, R.BREAKER_OPEN, locks=True)
+        # Rank-local reasons not to try; every rank joins the same two decisions.
+        local = (R.ALLOC_FAILED if self.kv_pool is None
+                 else R.DAEMON_RESTARTED if self.connector.epoch != p.epoch
+                 else R.BREAKER_OPEN if not self.breaker.allow() else None)
+        if not self.tp.min(int(local is None)):
+            self._finish_degraded(p, local or R.TP_PEER_FAILED,
+                                  locks=local != R.DAEMON_RESTARTED)
             return self._result(p, start)
         self._fire(p, "start_retrieve")
         budget = self.config.deadlines.retrieve_s(n)
