@@ -29,7 +29,14 @@ from connectors.errors import (
 from metrics import LoadbackMetrics
 
 from .config import LoadBackConfig
-from .policies import BreakEvenGuard, BreakerState, CircuitBreaker, Clock, monotonic, retrying
+from .policies import (
+    BreakEvenGuard,
+    BreakerState,
+    CircuitBreaker,
+    Clock,
+    monotonic,
+    run_with_retries,
+)
 from .states import DegradeReason, PrefixState, fire, transition_pairs
 from .tp import TPAgreement
 
@@ -180,25 +187,27 @@ class LoadBackOrchestrator:
 
     def _lookup(self, p: Prefix, budget_s: float) -> tuple[int, DegradeReason | None]:
         deadline = self.clock() + budget_s
+
+        def attempt() -> int:
+            left = deadline - self.clock()
+            if left <= 0:
+                raise DaemonTimeout("lookup", budget_s)
+            try:
+                return self.connector.lookup_hit_tokens(
+                    p.token_ids, p.request_id, left, cache_salt=p.cache_salt)
+            except DaemonTimeout:
+                # The daemon may still run this LOOKUP and lock chunks: settle it (wait for
+                # its result, release its locks) before anything else of this request.
+                self._owe(_Debt("settle_lookup", p.request_id, lambda t: (
+                    self.connector.settle_lookup(p.token_ids, p.request_id, t,
+                                                 cache_salt=p.cache_salt)),
+                    p.epoch, max_tries=5))
+                raise
+
         try:
-            for attempt in retrying(self.config.retries, budget_s, clock=self.clock,
-                                    only=DaemonUnavailable,
-                                    before_retry=lambda _s: self.metrics.retry("lookup")):
-                with attempt:
-                    left = deadline - self.clock()
-                    if left <= 0:
-                        raise DaemonTimeout("lookup", budget_s)
-                    try:
-                        hit = self.connector.lookup_hit_tokens(
-                            p.token_ids, p.request_id, left, cache_salt=p.cache_salt)
-                    except DaemonTimeout:
-                        # The daemon may still run this LOOKUP and lock chunks: settle it
-                        # (wait for its result, release its locks) before anything else.
-                        self._owe(_Debt("settle_lookup", p.request_id, lambda t: (
-                            self.connector.settle_lookup(p.token_ids, p.request_id, t,
-                                                         cache_salt=p.cache_salt)),
-                            p.epoch, max_tries=5))
-                        raise
+            # A lookup is repeated only when nothing was sent (a timed-out one may run).
+            hit = run_with_retries(attempt, self.config.retries, budget_s, only=DaemonUnavailable,
+                                   before_retry=lambda _s: self.metrics.retry("lookup"))
             self.breaker.record(True)
             return hit, None
         except DaemonTimeout:
@@ -258,40 +267,42 @@ class LoadBackOrchestrator:
         deadline = self.clock() + budget_s
         start, end = p.locked_from, p.hit_tokens
         skip = p.local_tokens - start
-        last: BaseException | None = None
+        last: list[BaseException] = []
+
+        def attempt() -> int:
+            left = deadline - self.clock()
+            if left <= 0:
+                raise DaemonTimeout("retrieve", budget_s)
+            if p.attempts > 0 and not isinstance(last[-1], DaemonUnavailable):
+                # A lost reply may have consumed the locks: look up again first.
+                hit = self.connector.lookup_hit_tokens(
+                    p.token_ids, p.request_id, left, cache_salt=p.cache_salt)
+                if hit < end:
+                    if hit:
+                        self._free_locks(p, 0, hit)
+                    raise DaemonRejected(f"re-lookup found {hit} of {end} tokens")
+                if start:
+                    self._free_locks(p, 0, start)
+                if hit > end:
+                    self._free_locks(p, end, hit)
+                left = deadline - self.clock()
+            p.attempts += 1
+            try:
+                return self.connector.retrieve_into(
+                    p.token_ids, p.request_id, self.kv_pool, slots, start=start, end=end,
+                    timeout_s=left, skip=skip, cache_salt=p.cache_salt)
+            except ConnectorError as exc:
+                # Only a refusal leaves the locks with us; a reply (or a request the daemon
+                # may still process) releases them daemon-side, and freeing twice would
+                # strip another reader's lock: those wait for the daemon's read TTL.
+                last.append(exc)
+                if isinstance(exc, DaemonRejected):
+                    self._free_locks(p, start, end)
+                raise
+
         try:
-            for attempt in retrying(self.config.retries, budget_s, clock=self.clock,
-                                    before_retry=lambda _s: self._before_retry(p)):
-                with attempt:
-                    left = deadline - self.clock()
-                    if left <= 0:
-                        raise DaemonTimeout("retrieve", budget_s)
-                    if p.attempts > 0 and not isinstance(last, DaemonUnavailable):
-                        # A lost reply may have consumed the locks: look up again first.
-                        hit = self.connector.lookup_hit_tokens(
-                            p.token_ids, p.request_id, left, cache_salt=p.cache_salt)
-                        if hit < end:
-                            if hit:
-                                self._free_locks(p, 0, hit)
-                            raise DaemonRejected(f"re-lookup found {hit} of {end} tokens")
-                        if start:
-                            self._free_locks(p, 0, start)
-                        if hit > end:
-                            self._free_locks(p, end, hit)
-                        left = deadline - self.clock()
-                    p.attempts += 1
-                    try:
-                        nbytes = self.connector.retrieve_into(
-                            p.token_ids, p.request_id, self.kv_pool, slots, start=start,
-                            end=end, timeout_s=left, skip=skip, cache_salt=p.cache_salt)
-                    except ConnectorError as exc:
-                        # Only a refusal leaves the locks with us; a reply (or a request the
-                        # daemon may still process) releases them daemon-side, and freeing
-                        # twice would strip another reader's lock: those wait for the TTL.
-                        last = exc
-                        if isinstance(exc, DaemonRejected):
-                            self._free_locks(p, start, end)
-                        raise
+            nbytes = run_with_retries(attempt, self.config.retries, budget_s,
+                                      before_retry=lambda _s: self._before_retry(p))
             self.breaker.record(True)
             return nbytes, None
         except SlotsError:

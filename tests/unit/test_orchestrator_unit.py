@@ -13,7 +13,14 @@ from connectors.kv_layout import KVLayout
 from connectors.memory import InMemoryConnector
 from orchestrator import DegradeReason, LoadBackConfig, LoadBackOrchestrator, PrefixState
 from orchestrator.policies import BreakerState, CircuitBreaker
-from orchestrator.states import MACHINE, TRANSITIONS, MachineError, fire, mermaid
+from orchestrator.states import (
+    MACHINE,
+    TRANSITIONS,
+    MachineError,
+    fire,
+    fire_with_machine,
+    mermaid,
+)
 from tests.conftest import kv_of, make_pool, same_kv
 
 C = 16
@@ -54,6 +61,22 @@ def test_table_defines_the_five_states_and_draws_itself():
     for trigger, src, dst in TRANSITIONS:
         for s in src:
             assert f"{s.value} --> {dst.value}: {trigger}" in diagram
+
+
+def test_fire_agrees_with_transitions():
+    class P:
+        pass
+    for state in PrefixState:
+        for trigger in MACHINE.events:
+            a, b = P(), P()
+            a.state = b.state = state.value
+            try:
+                want = fire_with_machine(a, trigger)
+            except MachineError:
+                with pytest.raises(MachineError):
+                    fire(b, trigger)
+                continue
+            assert fire(b, trigger) == want
 
 
 def test_terminal_states_accept_no_trigger():
