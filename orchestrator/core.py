@@ -122,6 +122,7 @@ class LoadBackOrchestrator:
         self._suspect = False  # a call went unanswered: re-register (idempotent) next tick
         self._late_seen = 0
         self._closed = False
+        self._on_close: list[Callable[[], None]] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.metrics.set_daemon_up(False)
@@ -551,6 +552,12 @@ class LoadBackOrchestrator:
         except (ConnectorError, AttributeError):
             pass
         self.connector.close()
+        for fn in self._on_close:
+            fn()
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Run `fn` after close() released everything (e.g. stop an in-process daemon)."""
+        self._on_close.append(fn)
 
     def __enter__(self) -> "LoadBackOrchestrator":
         return self

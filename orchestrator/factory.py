@@ -1,0 +1,36 @@
+"""Build an orchestrator from a config: `mode: mp` (external daemon) or `mode: ip`
+(LMCache's server inside this process). One path serves both; the mode is YAML, never code."""
+
+from __future__ import annotations
+
+from connectors.kv_layout import KVLayout
+from connectors.lmcache_mp import LMCacheMPConnector
+
+from .config import LoadBackConfig
+from .core import LoadBackOrchestrator
+
+
+def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, metrics=None,
+                        tp_group=None, kv_rank: int = 0, world_size: int = 1
+                        ) -> LoadBackOrchestrator:
+    if layout.chunk_size != (config.ip.chunk_size if config.mode == "ip" else config.chunk_size):
+        raise ValueError(
+            f"KV layout chunk_size {layout.chunk_size} differs from the config's "
+            f"{'ip.chunk_size' if config.mode == 'ip' else 'chunk_size'}; they must match the "
+            "daemon's --chunk-size")
+    owned = None
+    endpoint = config.endpoint
+    if config.mode == "ip":
+        from .inprocess import InProcessDaemon
+
+        owned = InProcessDaemon(config.ip).start()
+        endpoint = owned.endpoint
+    connector = LMCacheMPConnector(
+        endpoint, layout, model_name=config.model_name, world_size=world_size,
+        kv_rank=kv_rank, transfer=config.transfer,
+        connect_timeout_s=config.deadlines.connect_ms / 1000)
+    orch = LoadBackOrchestrator(config, connector, metrics=metrics, tp_group=tp_group,
+                                kv_pool=kv_pool)
+    if owned is not None:
+        orch.on_close(owned.close)
+    return orch
