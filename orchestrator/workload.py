@@ -1,0 +1,207 @@
+"""A realistic request mix driven through the orchestrator like an SGLang scheduler would,
+with the bookkeeping the invariant checker needs.
+
+Who uses it: `loadback chaos run` and `loadback demo`. The engine side is simulated
+faithfully where it matters: a KV pool laid out like SGLang's, a slot allocator whose every
+slot must come back, and "prefill" that writes KV deterministically derived from the token
+prefix, so every loaded token can be compared with what a recompute would have produced.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from connectors.kv_layout import KVLayout
+from connectors.lmcache_mp import KVPool
+
+from .core import LoadBackOrchestrator
+from .states import PrefixState
+
+
+class SlotAllocator:
+    """Free-list of KV slots; `outstanding` must be 0 when the engine is idle."""
+
+    def __init__(self, size: int) -> None:
+        self.free = list(range(size - 1, -1, -1))
+        self.size = size
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if n > len(self.free):
+            return None
+        out = [self.free.pop() for _ in range(n)]
+        return torch.tensor(out, dtype=torch.int64)
+
+    def release(self, slots: torch.Tensor) -> None:
+        self.free.extend(int(s) for s in slots.tolist())
+
+    @property
+    def outstanding(self) -> int:
+        return self.size - len(self.free)
+
+
+def prefix_kv(layout: KVLayout, token_ids: list[int], start: int, end: int) -> torch.Tensor:
+    """KV of positions [start, end) as a function of the whole prefix up to each position:
+    `[2, layers, end-start, heads, head_dim]`. Same prefix, same bytes; any other, other."""
+    h, seeds = 1469598103934665603, []
+    for i, t in enumerate(token_ids[:end]):
+        h = (h * 1099511628211 ^ (t + 1)) & 0xFFFFFFFFFFFF
+        if i >= start:
+            seeds.append(h)
+    s = torch.tensor(seeds, dtype=torch.int64).view(1, 1, -1, 1, 1)
+    lay = torch.arange(2 * layout.num_layers, dtype=torch.int64).view(2, layout.num_layers, 1, 1, 1)
+    head = torch.arange(layout.num_heads, dtype=torch.int64).view(1, 1, 1, -1, 1)
+    dim = torch.arange(layout.head_dim, dtype=torch.int64).view(1, 1, 1, 1, -1)
+    v = (s * 31 + lay * 1009 + head * 97 + dim * 13) % 65521
+    return (v.to(torch.float32) / 65521.0 - 0.5).to(layout.dtype)
+
+
+def write_kv(pool: KVPool, layout: KVLayout, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    for layer in range(layout.num_layers):
+        pool.k_buffer[layer][slots] = kv[0, layer]
+        pool.v_buffer[layer][slots] = kv[1, layer]
+
+
+def read_kv(pool: KVPool, layout: KVLayout, slots: torch.Tensor) -> torch.Tensor:
+    k = torch.stack([pool.k_buffer[layer][slots] for layer in range(layout.num_layers)])
+    v = torch.stack([pool.v_buffer[layer][slots] for layer in range(layout.num_layers)])
+    return torch.stack([k, v])
+
+
+@dataclass
+class Tally:
+    """What the engine saw, to reconcile with the metrics and to judge the run."""
+
+    requests: int = 0
+    hung: int = 0
+    wrong_bytes: int = 0
+    loaded: int = 0
+    degraded: dict[str, int] = field(default_factory=dict)
+    promised_tokens: int = 0
+    loaded_tokens: int = 0
+    recomputed_tokens: int = 0
+    return_times: list[float] = field(default_factory=list)
+    load_times: list[float] = field(default_factory=list)
+    first_hit_after: dict[str, float] = field(default_factory=dict)
+
+
+class Workload:
+    """Shared system prompts, multi-turn continuations and one-off prompts."""
+
+    def __init__(self, layout: KVLayout, seed: int, *, system_prompts: int = 4,
+                 system_tokens: tuple[int, int] = (256, 768), turn_tokens: tuple[int, int] = (32, 192)
+                 ) -> None:
+        self.layout = layout
+        self.rng = random.Random(seed)
+        self.turn_tokens = turn_tokens
+        self.systems = [self._tokens(self.rng.randint(*system_tokens)) for _ in range(system_prompts)]
+        self.conversations: list[list[int]] = []
+
+    def _tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(1, 50000) for _ in range(n)]
+
+    def next_prompt(self) -> tuple[list[int], int]:
+        """(token ids, tokens the engine's local radix cache already holds)."""
+        r = self.rng.random()
+        if r < 0.3 and self.conversations:
+            conv = self.rng.choice(self.conversations)
+            conv.extend(self._tokens(self.rng.randint(*self.turn_tokens)))
+            prompt = list(conv)
+        elif r < 0.85:
+            prompt = self.rng.choice(self.systems) + self._tokens(self.rng.randint(*self.turn_tokens))
+            if len(self.conversations) < 64:
+                self.conversations.append(list(prompt))
+        else:
+            prompt = self._tokens(self.rng.randint(64, 512))
+        # Sometimes the engine still has part of it (page-aligned, not chunk-aligned).
+        local = 0
+        if self.rng.random() < 0.2:
+            local = self.rng.randrange(0, len(prompt) // 2 + 1) // 8 * 8
+        return prompt, local
+
+
+class Engine:
+    """Drives one request at a time through match -> load_back -> prefill -> store -> finish."""
+
+    def __init__(self, orch: LoadBackOrchestrator, pool: KVPool, layout: KVLayout,
+                 slots: SlotAllocator, *, deadline_slack_s: float = 0.005,
+                 abort_ratio: float = 0.05, seed: int = 0) -> None:
+        self.orch, self.pool, self.layout, self.slots = orch, pool, layout, slots
+        self.slack = deadline_slack_s
+        self.rng = random.Random(seed ^ 0x5EED)
+        self.abort_ratio = abort_ratio
+        self.tally = Tally()
+        self.n = 0
+
+    def request(self, prompt: list[int], local: int, *, phase: str = "") -> None:
+        orch, t = self.orch, self.tally
+        self.n += 1
+        rid = f"req-{self.n}"
+        t.requests += 1
+        held: list[torch.Tensor] = []
+        try:
+            local_slots = self.slots.alloc(local) if local else torch.empty(0, dtype=torch.int64)
+            if local_slots is None:
+                local, local_slots = 0, torch.empty(0, dtype=torch.int64)
+            held.append(local_slots)
+            if local:
+                write_kv(self.pool, self.layout, prefix_kv(self.layout, prompt, 0, local), local_slots)
+            t0 = time.perf_counter()
+            n = orch.match(rid, prompt, local_hit_tokens=local)
+            took = time.perf_counter() - t0
+            t.return_times.append(took)
+            if took > orch.config.deadlines.lookup_ms / 1000 + self.slack:
+                t.hung += 1
+            loaded = 0
+            got = None
+            if n:
+                got = self.slots.alloc(n)
+                if got is not None:
+                    held.append(got)
+                t0 = time.perf_counter()
+                res = orch.load_back(rid, got)
+                took = time.perf_counter() - t0
+                t.return_times.append(took)
+                t.load_times.append(took)
+                if took > orch.config.deadlines.retrieve_s(n) + self.slack:
+                    t.hung += 1
+                t.promised_tokens += n
+                if res.state == PrefixState.LOADED:
+                    loaded = res.loaded_tokens
+                    t.loaded += 1
+                    t.loaded_tokens += loaded
+                    want = prefix_kv(self.layout, prompt, local, local + n)
+                    if not torch.equal(read_kv(self.pool, self.layout, got), want):
+                        t.wrong_bytes += 1
+                    if phase:
+                        t.first_hit_after.setdefault(phase, time.monotonic())
+                else:
+                    reason = res.reason.value if res.reason else "unknown"
+                    t.degraded[reason] = t.degraded.get(reason, 0) + 1
+                    t.recomputed_tokens += n
+            elif orch.state_of(rid) == PrefixState.DEGRADED:
+                reason = orch._live[rid].reason.value
+                t.degraded[reason] = t.degraded.get(reason, 0) + 1
+            # Recompute whatever did not load, into fresh slots (the engine's prefill).
+            start = local + loaded
+            rest = self.slots.alloc(len(prompt) - start)
+            if rest is not None:
+                held.append(rest)
+                if loaded == 0 and got is not None:
+                    pass  # slots of a failed load go back to the pool below, never read
+                write_kv(self.pool, self.layout, prefix_kv(self.layout, prompt, start, len(prompt)), rest)
+            if self.rng.random() < self.abort_ratio:
+                orch.abort(rid)
+                return
+            if rest is not None and (loaded == 0 or got is not None):
+                parts = [local_slots] + ([got] if loaded else []) + [rest]
+                all_slots = torch.cat(parts)
+                if len(all_slots) == len(prompt):
+                    orch.store(rid, prompt, all_slots)
+            orch.finish(rid)
+        finally:
+            for s in held:
+                self.slots.release(s)
