@@ -1,0 +1,326 @@
+"""Gather/scatter between an SGLang-style KV pool and LMCache engine-driven chunk tensors.
+
+SGLang's MHATokenToKVPool keeps ``k_buffer``/``v_buffer``: one ``[num_slots + page_size,
+num_heads, head_dim]`` tensor per layer; a token's KV sits at one slot index in every layer. An
+LMCache engine-driven chunk is ``[2, num_layers, chunk_size, hidden]`` (dim 0 = K, V). The
+connector calls ``gather_chunks`` before ``commit_store`` and ``scatter_chunks`` after
+``prepare_retrieve``: the hot path of every load-back, so no per-token Python loops. Each
+(layer, K/V) moves with one index op per run of chunks: all of them when they are views of one
+token-major tensor, one chunk when that is a big enough op, else a group of chunks through a
+scratch tensor. Rows are reinterpreted as int64 (gather) / complex128 (scatter) for the index
+ops: same bytes, fewer elements, faster kernels. One ascending slot range moves by slicing.
+
+Measured (2 busy cores, 4096 tokens x 4 layers x 1024 hidden fp16, random slots; median ratio
+to a same-size torch copy_ of ~21 GB/s): chunk 256 gather 0.62 / scatter 0.61 (slot range
+0.82 / 0.85; token-major views 0.80 / 0.74); chunk 16 gather 0.39 / scatter 0.41.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from connectors.errors import ProtocolError, SlotsError
+
+# Bytes per index op per CPU thread below which op overhead dominates: small chunks are grouped.
+_OP_BYTES = 256 << 10
+# Cap on the grouping scratch, kept per thread on CPU: a fresh one costs page faults each call.
+_SCRATCH_BYTES = 32 << 20
+_local = threading.local()
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one model's KV cache as LMCache chunks see it; built once per engine."""
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    chunk_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "head_dim", "chunk_size"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {val!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def chunk_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.num_layers, self.chunk_size, self.hidden_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.hidden_dim * self.dtype.itemsize
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.bytes_per_token * self.chunk_size
+
+    @property
+    def dtype_str(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @classmethod
+    def from_pool(cls, k_buffer: Sequence[torch.Tensor], v_buffer: Sequence[torch.Tensor],
+                  chunk_size: int) -> "KVLayout":
+        """Read the layout off an engine's pool (called once at connector start-up)."""
+        first = k_buffer[0] if len(k_buffer) else None
+        if not isinstance(first, torch.Tensor) or first.dim() != 3:
+            raise ValueError("k_buffer must be a list of [num_slots, num_heads, head_dim] tensors")
+        layout = cls(len(k_buffer), first.shape[1], first.shape[2], first.dtype, chunk_size)
+        _pool_views(layout, k_buffer, v_buffer)
+        return layout
+
+
+def _pool_views(layout: KVLayout, k_buffer, v_buffer) -> tuple[list, list, int, torch.device]:
+    """2-D [slots, hidden] views of every layer; ValueError if the pool does not match layout."""
+    if len(k_buffer) != layout.num_layers or len(v_buffer) != layout.num_layers:
+        raise ValueError(f"pool has {len(k_buffer)} K / {len(v_buffer)} V layers, "
+                         f"layout expects {layout.num_layers}")
+    size, dev = k_buffer[0].shape[0], k_buffer[0].device
+    want = (size, layout.num_heads, layout.head_dim)
+    views: dict[str, list] = {"k_buffer": [], "v_buffer": []}
+    for name, bufs in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        for i, b in enumerate(bufs):
+            if tuple(b.shape) != want or b.dtype != layout.dtype or b.device != dev:
+                raise ValueError(f"{name}[{i}] is {tuple(b.shape)} {b.dtype} on {b.device}, "
+                                 f"expected {want} {layout.dtype} on {dev}")
+            views[name].append(b.view(size, layout.hidden_dim))
+    return views["k_buffer"], views["v_buffer"], size, dev
+
+
+def check_slots(layout: KVLayout, slots: torch.Tensor, num_tokens: int, *,
+                pool_size: int | None = None, device: torch.device | str | None = None
+                ) -> torch.Tensor:
+    """Validate engine-provided slot indices; called by gather/scatter and by the connector.
+
+    Returns a contiguous int64 tensor of exactly ``num_tokens`` slots on ``device`` (CPU when
+    not given). Raises SlotsError saying how to fix it; never truncates or pads silently.
+    """
+    if not isinstance(slots, torch.Tensor):
+        raise SlotsError(f"slots must be a torch.Tensor of KV indices, got {type(slots).__name__}")
+    if slots.dtype not in _INT_DTYPES:
+        raise SlotsError(f"slots must be an integer tensor, got {slots.dtype}; pass the KV "
+                         f"allocator's indices (e.g. slots.to(torch.int64)), not values")
+    if slots.dim() != 1:
+        raise SlotsError(f"slots must be 1-D (one slot per token), got shape "
+                         f"{tuple(slots.shape)}; flatten it with slots.reshape(-1)")
+    c = layout.chunk_size
+    if num_tokens < 0 or num_tokens % c:
+        raise SlotsError(f"num_tokens={num_tokens} is not a multiple of chunk_size={c}; only "
+                         f"whole chunks move: use {max(num_tokens, 0) // c * c} tokens")
+    if slots.numel() != num_tokens:
+        raise SlotsError(f"expected {num_tokens} slots (one per token), got {slots.numel()}; "
+                         f"pass slots[:{num_tokens}] of the indices allocated for these tokens")
+    out = slots.to(device=device or "cpu", dtype=torch.int64).contiguous()
+    if num_tokens:
+        lo, hi = torch.stack(torch.aminmax(out)).tolist()  # one device sync, not two
+        bad = lo if lo < 0 else (hi if pool_size is not None and hi >= pool_size else None)
+        if bad is not None:
+            pos = int((out == bad).nonzero()[0, 0])
+            rng = f"[0, {pool_size})" if pool_size is not None else ">= 0"
+            raise SlotsError(f"slot {bad} at position {pos} is out of range {rng} of the KV "
+                             f"pool; pass indices from this pool's allocator")
+    return out
+
+
+def _run_start(slots: torch.Tensor) -> int | None:
+    """First slot if slots is one ascending contiguous range (slicing beats index ops)."""
+    n = slots.numel()
+    if n == 0 or slots.device.type != "cpu":  # on GPUs index ops run at copy speed anyway
+        return None
+    a = int(slots[0])
+    if int(slots[-1]) - a != n - 1 or (n > 1 and not bool((slots.diff() == 1).all())):
+        return None
+    return a
+
+
+def _token_major(chunks: Sequence[torch.Tensor], c: int) -> torch.Tensor | None:
+    """[2, L, n*c, hidden] view if chunk j is base[:, :, j*c:(j+1)*c] of one tensor, else None."""
+    first, rows = chunks[0], len(chunks) * c
+    st, (_, layers, _, hid) = first.stride(), first.shape
+    if len(chunks) < 2 or st[3] != 1 or st[2] != hid or st[1] < rows * hid \
+            or st[0] < layers * st[1]:
+        return None
+    base, stor = first.data_ptr(), first.untyped_storage().data_ptr()
+    for j, t in enumerate(chunks):
+        if (t.stride() != st or t.device != first.device or t.untyped_storage().data_ptr() != stor
+                or t.data_ptr() != base + j * c * hid * t.element_size()):
+            return None
+    try:
+        return first.as_strided((2, layers, rows, hid), st)
+    except RuntimeError:  # would reach past the storage
+        return None
+
+
+def _wide(a: torch.Tensor, b: torch.Tensor, *wide: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Reinterpret both row-major tensors as a wider type (bytes unchanged) when aligned."""
+    for wd in wide + (torch.int32,):
+        if a.data_ptr() % wd.itemsize or b.data_ptr() % wd.itemsize:  # misaligned loads fault
+            continue
+        try:
+            return a.view(wd), b.view(wd)
+        except RuntimeError:
+            continue
+    return a, b
+
+
+def _move_rows(ks, vs, idx: torch.Tensor, t: torch.Tensor, start: int | None,
+               gather: bool) -> None:
+    """gather: t[kv, l, r] = pool[kv][l][idx[r]]; scatter: the reverse. t is [2, L, R, hidden]."""
+    rows = idx.numel()
+    for l in range(len(ks)):
+        for kv, pool in ((0, ks[l]), (1, vs[l])):
+            x = t[kv, l]
+            if start is not None:
+                (x.copy_(pool[start:start + rows]) if gather
+                 else pool[start:start + rows].copy_(x))
+            elif gather and x.is_contiguous():
+                p, xw = _wide(pool, x, torch.int64)
+                torch.index_select(p, 0, idx, out=xw)
+            elif gather:
+                x.copy_(torch.index_select(pool, 0, idx))
+            else:  # complex128 index_put_ ran 17.9 GB/s, int64 index_copy_ 11, fp16 8.8
+                p, xw = _wide(pool, x, torch.complex128, torch.int64)
+                p.index_put_((idx,), xw)
+
+
+def _group_chunks(layout: KVLayout, dev: torch.device) -> int:
+    """Chunks per index op: 1 when a chunk alone is a big enough op, else enough to reach it.
+
+    Measured: 2 threads, chunk 256: per-chunk 0.58 of copy_, grouped 0.42; 16 threads:
+    per-chunk 8 GB/s, grouped 41. On GPUs launches, not bytes, cost: group up to the cap.
+    """
+    op = layout.chunk_size * layout.hidden_dim * layout.dtype.itemsize
+    target = _OP_BYTES * torch.get_num_threads() if dev.type == "cpu" else _SCRATCH_BYTES
+    return max(1, min(_SCRATCH_BYTES // layout.chunk_bytes, -(-target // op)))
+
+
+def _runs(layout: KVLayout, chunks: Sequence[torch.Tensor], dev: torch.device) -> list:
+    """(first chunk, count, [2, L, count*chunk, hidden] view, or None: go through scratch)."""
+    n, same = len(chunks), all(t.device == dev for t in chunks)
+    tm = _token_major(chunks, layout.chunk_size) if same else None
+    if tm is not None:
+        return [(0, n, tm)]
+    g = _group_chunks(layout, dev)
+    if g == 1 and same:
+        return [(j, 1, t) for j, t in enumerate(chunks)]
+    return [(j, min(g, n - j), None) for j in range(0, n, g)]
+
+
+def _scratch(layout: KVLayout, chunks: int, dev: torch.device) -> torch.Tensor:
+    """Contiguous [2, L, chunks*chunk, hidden]; on CPU a per-thread buffer (never returned)."""
+    shape = (2, layout.num_layers, chunks * layout.chunk_size, layout.hidden_dim)
+    if dev.type != "cpu":  # the caching allocator already reuses device memory
+        return torch.empty(shape, dtype=layout.dtype, device=dev)
+    nbytes = chunks * layout.chunk_bytes
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes <= _SCRATCH_BYTES:
+            _local.buf = buf
+    return buf[:nbytes].view(layout.dtype).view(shape)
+
+
+def _copy_out(layout: KVLayout, grp: Sequence[torch.Tensor], sc: torch.Tensor) -> None:
+    """Split a gathered [2, L, n*chunk, hidden] scratch into the n chunk tensors of grp."""
+    first, c = grp[0], layout.chunk_size
+    same = all(t.device == sc.device for t in grp)
+    if same and all(  # back to back in one tensor (one block, or shm slots in a row)
+            t.is_contiguous() and t.data_ptr() == first.data_ptr() + j * layout.chunk_bytes
+            and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            for j, t in enumerate(grp)):
+        block = first.as_strided((len(grp), *layout.chunk_shape), (first.numel(), *first.stride()))
+        block.copy_(sc.unflatten(2, (len(grp), c)).permute(2, 0, 1, 3, 4))
+    elif same:  # one call instead of one per chunk
+        torch._foreach_copy_(list(grp), list(sc.split(c, dim=2)))
+    else:
+        for t, part in zip(grp, sc.split(c, dim=2)):
+            t.copy_(part)
+
+
+def gather_chunks(layout: KVLayout, k_buffer: Sequence[torch.Tensor],
+                  v_buffer: Sequence[torch.Tensor], slots: torch.Tensor, *,
+                  out: list[torch.Tensor] | None = None,
+                  chunk_indices: list[int] | None = None) -> list[torch.Tensor]:
+    """Copy the KV of ``slots`` into chunk tensors; called by the connector before commit_store.
+
+    ``len(slots)`` must be a whole number of chunks. Returns one ``chunk_shape`` tensor per
+    chunk (or per ``chunk_indices`` entry, in that order); on CPU each owns its storage. With
+    ``out``, ``out[i]`` is written in place (it may be shared memory). Never writes the pool.
+    """
+    ks, vs, pool_size, dev = _pool_views(layout, k_buffer, v_buffer)
+    n_tok = slots.numel() if isinstance(slots, torch.Tensor) else -1
+    slots = check_slots(layout, slots, n_tok, pool_size=pool_size, device=dev)
+    c, n_chunks = layout.chunk_size, n_tok // layout.chunk_size
+    idx = list(range(n_chunks)) if chunk_indices is None else [int(i) for i in chunk_indices]
+    if any(not 0 <= i < n_chunks for i in idx):
+        raise SlotsError(f"chunk_indices {idx} out of range: slots hold {n_chunks} chunks")
+    if out is None and dev.type != "cpu":  # one block: the grouped copy-out is then one op
+        out = list(torch.empty((len(idx), *layout.chunk_shape), dtype=layout.dtype,
+                               device=dev).unbind(0))
+    elif out is None:  # separate storages: a pickled view would carry its whole base
+        out = [torch.empty(layout.chunk_shape, dtype=layout.dtype, device=dev) for _ in idx]
+    elif len(out) != len(idx) or any(
+            tuple(o.shape) != layout.chunk_shape or o.dtype != layout.dtype for o in out):
+        raise ValueError(f"out must be {len(idx)} tensors of {layout.chunk_shape} "
+                         f"{layout.dtype}, got {[(tuple(o.shape), o.dtype) for o in out]}")
+    if not idx:
+        return out
+    if idx != list(range(n_chunks)):
+        slots = slots.view(n_chunks, c)[torch.tensor(idx, device=dev)].reshape(-1)
+    start = _run_start(slots)
+    for j0, cnt, view in _runs(layout, out, dev):
+        run = slots[j0 * c:(j0 + cnt) * c]
+        first = None if start is None else start + j0 * c
+        if view is not None:
+            _move_rows(ks, vs, run, view, first, gather=True)
+        else:
+            sc = _scratch(layout, cnt, dev)
+            _move_rows(ks, vs, run, sc, first, gather=True)
+            _copy_out(layout, out[j0:j0 + cnt], sc)
+    return out
+
+
+def scatter_chunks(layout: KVLayout, chunks: Sequence[torch.Tensor],
+                   k_buffer: Sequence[torch.Tensor], v_buffer: Sequence[torch.Tensor],
+                   slots: torch.Tensor) -> None:
+    """Write chunk j into ``slots[j*chunk:(j+1)*chunk]`` of every layer, K and V.
+
+    Called by the connector after prepare_retrieve with tensors that came off the socket.
+    Validates every chunk (ProtocolError) and the slots (SlotsError) before writing anything:
+    a bad reply must never leave a half-written prefix in the pool.
+    """
+    ks, vs, pool_size, dev = _pool_views(layout, k_buffer, v_buffer)
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence):
+        raise ProtocolError(f"chunks must be a list of tensors, got {type(chunks).__name__}")
+    for i, ch in enumerate(chunks):
+        got = (f"{tuple(ch.shape)} {ch.dtype}" if isinstance(ch, torch.Tensor)
+               else type(ch).__name__)
+        if not isinstance(ch, torch.Tensor) or tuple(ch.shape) != layout.chunk_shape \
+                or ch.dtype != layout.dtype:
+            raise ProtocolError(f"chunk {i} is {got}, expected {layout.chunk_shape} "
+                                f"{layout.dtype}")
+    c = layout.chunk_size
+    slots = check_slots(layout, slots, len(chunks) * c, pool_size=pool_size, device=dev)
+    if not chunks:
+        return
+    chunks = [ch if ch.device == dev else ch.to(dev) for ch in chunks]
+    start = _run_start(slots)
+    for j0, cnt, view in _runs(layout, chunks, dev):
+        if view is None:
+            view = _scratch(layout, cnt, dev)
+            torch.stack(chunks[j0:j0 + cnt], dim=2, out=view.unflatten(2, (cnt, c)))
+        _move_rows(ks, vs, slots[j0 * c:(j0 + cnt) * c], view,
+                   None if start is None else start + j0 * c, gather=False)
