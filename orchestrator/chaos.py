@@ -50,7 +50,7 @@ class Scenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     requests: int = 500
     max_seconds: float = 120.0  # the run stops by itself after this, whatever is left
     transfer: Literal["pickle", "shm"] = "pickle"
-    fault: Fault = Fault()
+    fault: Fault = msgspec.field(default_factory=Fault)
     config: dict = {}           # LoadBackConfig overrides for this scenario
 
 
@@ -188,7 +188,7 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
             recovery_s=(hit_at - t_fault_end) if hit_at and t_fault_end else None,
             loaded=t.loaded, loaded_tokens=t.loaded_tokens, recomputed_tokens=t.recomputed_tokens,
             leaks=leaks, counter_mismatches=mismatches,
-            extra={"late_replies": conn.late_replies,
+            extra={"late_replies": conn.late_replies, "load_times": t.load_times,
                    "proxy": proxy.stats if proxy is not None else {}},
         )
     finally:

@@ -148,6 +148,8 @@ class LoadBackOrchestrator:
         if aligned - local_hit_tokens < max(1, self.config.break_even.min_tokens):
             return 0  # the daemon cannot add enough to matter: do not even ask
         if not self.breaker.allow() or not self._registered():
+            if not self.breaker.allow() and self.connector.epoch != self._registered_epoch:
+                self._wake.set()  # a new daemon is there: let the heartbeat probe it now
             # Other TP ranks may be asking: join the decision with a "cannot" (-1).
             self.tp.min(-1)
             self.metrics.observe_lookup(None, "skipped")
@@ -458,7 +460,10 @@ class LoadBackOrchestrator:
             self.metrics.late_reply(late - self._late_seen)
             self._late_seen = late
         if self.breaker.state == BreakerState.OPEN and not self.breaker.probe_due():
-            return
+            if self.connector.epoch == self._registered_epoch:
+                return
+            # A new daemon accepted our connection: probe it now, not after the cooldown.
+            self.breaker.probe_now()
         control_s = self.config.deadlines.control_ms / 1000
         epoch = self.connector.epoch
         must_register = (self._registered_epoch is None or epoch != self._registered_epoch

@@ -130,6 +130,12 @@ class CircuitBreaker:
             return True
         return self.state == BreakerState.HALF_OPEN
 
+    def probe_now(self) -> None:
+        """Half-open at once (the daemon came back as a new process)."""
+        with self._lock:
+            if self.state == BreakerState.OPEN:
+                self._set(BreakerState.HALF_OPEN)
+
     def record(self, ok: bool) -> None:
         with self._lock:
             if self.state == BreakerState.HALF_OPEN:
