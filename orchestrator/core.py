@@ -28,7 +28,7 @@ from connectors.errors import (
 )
 from metrics import LoadbackMetrics
 
-from .config import LoadBackConfig
+from .config import ConfigError, LoadBackConfig
 from .policies import (
     BreakEvenGuard,
     BreakerState,
@@ -123,9 +123,11 @@ class LoadBackOrchestrator:
         self._late_seen = 0
         self._closed = False
         self._on_close: list[Callable[[], None]] = []
+        self.generation = 1
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.metrics.set_daemon_up(False)
+        self.metrics.config_generation(1)
         self._heartbeat: threading.Thread | None = None
         if start_heartbeat if start_heartbeat is not None else config.heartbeat.enabled:
             # Startup never blocks on the daemon: registration happens on this thread.
@@ -373,6 +375,27 @@ class LoadBackOrchestrator:
                           lambda t: self.connector.end_session(request_id, t),
                           p.epoch if p else self._registered_epoch)
 
+    def reload(self, config: LoadBackConfig) -> None:
+        """Swap policy values (deadlines, retries, breaker, break-even, heartbeat) in place.
+
+        Raises ConfigError for changes that need a restart (mode, endpoint, transfer, model,
+        chunk size, in-process settings); the running config then stays in force.
+        """
+        fixed = ("mode", "mp_host", "mp_port", "transfer", "model_name", "chunk_size", "ip")
+        changed = [k for k in fixed if getattr(config, k) != getattr(self.config, k)]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(changed)}: cannot change while running; restart the engine to "
+                "apply it (policy keys reload live: deadlines, retries, breaker, break_even, "
+                "heartbeat)")
+        with self._lock:
+            self.config = config
+            self.breaker.policy = config.breaker
+            self.break_even.policy = config.break_even
+            self.generation += 1
+        self.metrics.config_generation(self.generation)
+        self._wake.set()  # a new heartbeat interval applies from the next tick
+
     def state_of(self, request_id: str) -> PrefixState | None:
         with self._lock:
             p = self._live.get(request_id)
@@ -518,8 +541,8 @@ class LoadBackOrchestrator:
             self._debts = keep + self._debts
 
     def _heartbeat_loop(self) -> None:
-        interval = self.config.heartbeat.interval_ms / 1000
         while not self._stop.is_set():
+            interval = self.config.heartbeat.interval_ms / 1000
             try:
                 self.tick()
             except Exception:  # the heartbeat must outlive any bug in one tick

@@ -1,0 +1,70 @@
+"""Hot reload: policy values change live; a bad file changes nothing and is counted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from connectors.kv_layout import KVLayout
+from connectors.memory import InMemoryConnector
+from orchestrator import LoadBackConfig, LoadBackOrchestrator
+from orchestrator.reload import ConfigReloader
+from tests.conftest import make_pool
+
+
+@pytest.fixture
+def orch():
+    layout = KVLayout(num_layers=1, num_heads=2, head_dim=8, dtype=torch.float16, chunk_size=16)
+    o = LoadBackOrchestrator(LoadBackConfig.from_dict({"chunk_size": 16}), InMemoryConnector(layout),
+                             kv_pool=make_pool(layout, 64), start_heartbeat=False)
+    yield o
+    o.close()
+
+
+def gen(o):
+    return o.metrics.snapshot()["loadback_config_generation"]
+
+
+def failures(o):
+    return o.metrics.snapshot()["loadback_config_reload_failures_total"]
+
+
+def test_reload_swaps_policies_and_bumps_generation(orch, tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("chunk_size: 16\ndeadlines:\n  lookup_ms: 7\nbreaker:\n  cooldown_ms: 9\n"
+                 "break_even:\n  min_tokens: 32\n")
+    r = ConfigReloader(orch, f, install_sighup=False)
+    assert gen(orch) == 1
+    assert r.reload_now()
+    assert orch.config.deadlines.lookup_ms == 7
+    assert orch.breaker.policy.cooldown_ms == 9 and orch.break_even.policy.min_tokens == 32
+    assert gen(orch) == 2
+
+
+@pytest.mark.parametrize("text", ["deadlines:\n  lookup_ms: -1\n", "chunk_size: 16\nbogus: 1\n",
+                                  "chunk_size: 16\nmp_port: 7777\n", "[unclosed\n"])
+def test_bad_or_restart_only_change_keeps_the_old_config(orch, tmp_path, text, caplog):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    before = orch.config
+    assert not ConfigReloader(orch, f, install_sighup=False).reload_now()
+    assert orch.config is before and gen(orch) == 1 and failures(orch) == 1
+    assert "config reload rejected" in caplog.text
+
+
+def test_sighup_reloads(orch, tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("chunk_size: 16\nretries:\n  max_attempts: 1\n")
+    r = ConfigReloader(orch, f)
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        end = time.monotonic() + 5
+        while time.monotonic() < end and orch.config.retries.max_attempts != 1:
+            time.sleep(0.01)
+        assert orch.config.retries.max_attempts == 1 and gen(orch) == 2
+    finally:
+        r.close()
