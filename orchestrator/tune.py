@@ -1,0 +1,321 @@
+"""`loadback tune --daemon HOST:PORT`: measure a running LMCache daemon, recommend a config.
+
+Connects to the daemon, reads its chunk size, registers a fixed KV layout (4 layers x 8 heads
+x 128 head_dim float16: cli.py passes no layout flags), stores one random prefix of 1, 4, 16
+and 64 chunks (each capped below 64 MiB of KV), then times `--requests` LOOKUPs and RETRIEVEs
+(into a random permutation of pool slots) per size. From the p99s and p50s it fits
+retrieve_ms = a + b * tokens/1024, and recommends deadlines, retries and break-even values,
+each printed beside the measurement it came from; `--out` gets a YAML that
+`LoadBackConfig.from_yaml` accepts (checked before it is written). Every call has a 10 s
+timeout and the whole run a 120 s budget: past it, measuring stops and the report says so.
+The prefixes are stored under model name `loadback-tune`, apart from the engine's cache.
+
+Exit codes: 0 ok; 1 nothing could be measured; 2 the daemon cannot be reached; 64 bad --daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import yaml
+
+from connectors.errors import ConnectorError, VersionSkew
+from connectors.kv_layout import KVLayout
+from connectors.lmcache_mp import KVPool, LMCacheMPConnector
+from connectors.wire import PROTOCOL_VERSION
+
+from .bench.common import fmt, median, percentile, print_table
+from .config import ConfigError, LoadBackConfig
+
+LAYERS, HEADS, HEAD_DIM, DTYPE = 4, 8, 128, torch.float16
+SIZES_CHUNKS = (1, 4, 16, 64)
+TYPICAL_CHUNKS = 16
+MAX_PREFIX_BYTES = 64 << 20
+CALL_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 3.0            # get_chunk_size + register: an absent daemon fails fast
+WALL_BUDGET_S = 120.0
+MODEL = "loadback-tune"
+LOOKUP_PCT, LOOKUP_FACTOR, LOOKUP_MARGIN_MS = 99.0, 2.0, 5.0
+RETRIEVE_FACTOR, RETRIEVE_MARGIN_MS = 1.5, 2.0
+CAP_TOKENS, CAP_MS = 131072, 30000.0
+EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE = 1, 2, 64
+_ids = itertools.count(1)
+
+
+@dataclass
+class Size:
+    chunks: int
+    tokens: int
+    lookup_ms: list[float] = field(default_factory=list)
+    retrieve_ms: list[float] = field(default_factory=list)
+    nbytes: int = 0
+    misses: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def _parse_daemon(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.strip().removeprefix("tcp://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--daemon {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:5555")
+    return host, int(port)
+
+
+def _progress(done: int, total: int, width: int = 30) -> None:
+    k = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * k}{'.' * (width - k)}] {done}/{total}")
+    sys.stderr.flush()
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
+
+
+def _store(conn: LMCacheMPConnector, toks, pool: KVPool) -> None:
+    rid = f"tune-store-{os.getpid()}-{next(_ids)}"
+    try:
+        conn.store_from(toks, rid, pool, torch.randperm(pool.num_slots)[:len(toks)],
+                        timeout_s=CALL_TIMEOUT_S)
+    finally:
+        conn.end_session(rid, CALL_TIMEOUT_S)
+
+
+def _sample(conn: LMCacheMPConnector, s: Size, toks, pool: KVPool) -> None:
+    rid = f"tune-{os.getpid()}-{next(_ids)}"
+    try:
+        t0 = time.perf_counter()
+        hit = conn.lookup_hit_tokens(toks, rid, CALL_TIMEOUT_S)
+        s.lookup_ms.append(_ms(t0))
+        if hit != s.tokens:  # evicted: release what the lookup locked, store it again
+            s.misses += 1
+            conn.free_locks(toks, rid, 0, hit, CALL_TIMEOUT_S)
+            _store(conn, toks, pool)
+            return
+        slots = torch.randperm(pool.num_slots)[:s.tokens]
+        t0 = time.perf_counter()
+        s.nbytes = conn.retrieve_into(toks, rid, pool, slots, start=0, end=hit,
+                                      timeout_s=CALL_TIMEOUT_S)
+        s.retrieve_ms.append(_ms(t0))
+    except ConnectorError as exc:
+        s.errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        try:
+            conn.end_session(rid, CALL_TIMEOUT_S)
+        except ConnectorError:
+            pass
+
+
+def measure(conn: LMCacheMPConnector, sizes: list[Size], requests: int,
+            budget_s: float) -> tuple[bool, float]:
+    """Fill `sizes` with samples; (stopped early at the budget, seconds spent)."""
+    t_start = time.monotonic()
+    layout = conn.layout
+    n_slots = max(s.tokens for s in sizes)
+    shape = (n_slots, layout.num_heads, layout.head_dim)
+    pool = KVPool([torch.randn(shape, dtype=layout.dtype) for _ in range(layout.num_layers)],
+                  [torch.randn(shape, dtype=layout.dtype) for _ in range(layout.num_layers)])
+    rng, total, done, stopped = random.Random(), len(sizes) * requests, 0, False
+    _progress(0, total)
+    try:
+        for s in sizes:
+            if stopped or time.monotonic() - t_start > budget_s:
+                stopped = True
+                break
+            toks = [rng.randrange(1, 50000) for _ in range(s.tokens)]
+            try:
+                _store(conn, toks, pool)
+            except ConnectorError as exc:
+                s.errors.append(f"store: {type(exc).__name__}: {exc}")
+                done += requests
+                _progress(done, total)
+                continue
+            _sample(conn, Size(s.chunks, s.tokens), toks, pool)  # warm-up, not counted
+            for _ in range(requests):
+                if time.monotonic() - t_start > budget_s:
+                    stopped = True
+                    break
+                _sample(conn, s, toks, pool)
+                done += 1
+                _progress(done, total)
+    finally:
+        sys.stderr.write("\n")
+    return stopped, time.monotonic() - t_start
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares y = a + b*x with a, b >= 0 (one point: through the origin)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    if len(set(xs)) < 2:
+        return 0.0, ys[0] / xs[0]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    if b < 0:
+        return my, 0.0
+    if a < 0:
+        return 0.0, sum(x * y for x, y in points) / sum(x * x for x in xs)
+    return a, b
+
+
+def _up(x: float, digits: int = 1) -> float:
+    return math.ceil(x * 10 ** digits) / 10 ** digits
+
+
+def recommend(sizes: list[Size], chunk: int, prefill_tps: float):
+    """[(config key, value, measurement it came from)] from the measured sizes."""
+    got = [s for s in sizes if s.retrieve_ms]
+    look = max((s for s in sizes if s.lookup_ms), key=lambda s: percentile(s.lookup_ms, LOOKUP_PCT))
+    lp99 = percentile(look.lookup_ms, LOOKUP_PCT)
+    a99, b99 = fit([(s.tokens / 1024, percentile(s.retrieve_ms, 99)) for s in got])
+    a50, b50 = fit([(s.tokens / 1024, median(s.retrieve_ms)) for s in got])
+    base = _up(a99 * RETRIEVE_FACTOR + RETRIEVE_MARGIN_MS)
+    per_ki = _up(b99 * RETRIEVE_FACTOR, 3)
+    cap = max(base, min(CAP_MS, _up(base + per_ki * CAP_TOKENS / 1024)))
+    typ = min(got, key=lambda s: abs(s.chunks - TYPICAL_CHUNKS))
+    typ_deadline = min(cap, base + per_ki * typ.tokens / 1024)
+    typ_p50 = median(typ.retrieve_ms)
+    attempts = max(1, min(4, int(typ_deadline // max(typ_p50, 1e-6))))
+    big = max(got, key=lambda s: s.tokens)
+    gbps = big.nbytes / (median(big.retrieve_ms) / 1000) / 1e9
+    if prefill_tps <= 0:
+        min_tok, why = 0, "--prefill-tokens-per-s 0: the time comparison is off"
+    else:
+        beats = [k * chunk for k in range(1, CAP_TOKENS // chunk + 1)
+                 if a50 + b50 * k * chunk / 1024 < 1000 * k * chunk / prefill_tps]
+        min_tok = 0 if beats and beats[0] == chunk else (beats[0] if beats else CAP_TOKENS)
+        why = (f"p50 fit {fmt(a50, 3)} + {fmt(b50, 4)} ms/Ki vs prefill "
+               f"{1e6 / prefill_tps:.1f} ms/Ki at {prefill_tps:g} tok/s: "
+               + ("loading wins from the first chunk" if min_tok == 0 else
+                  f"loading wins from {min_tok} tokens" if beats else
+                  f"loading never wins below {CAP_TOKENS} tokens (check the prefill speed)"))
+    fits = {"p99": (a99, b99), "p50": (a50, b50)}
+    return fits, [
+        ("deadlines.lookup_ms", _up(lp99 * LOOKUP_FACTOR + LOOKUP_MARGIN_MS),
+         f"p{LOOKUP_PCT:g} lookup {fmt(lp99, 3)} ms (slowest size, {look.tokens} tokens) "
+         f"x {LOOKUP_FACTOR:g} + {LOOKUP_MARGIN_MS:g} ms margin"),
+        ("deadlines.retrieve_base_ms", base,
+         f"p99 fit intercept {fmt(a99, 3)} ms x {RETRIEVE_FACTOR:g} + {RETRIEVE_MARGIN_MS:g} ms"),
+        ("deadlines.retrieve_per_ki_token_ms", per_ki,
+         f"p99 fit slope {fmt(b99, 4)} ms/Ki x {RETRIEVE_FACTOR:g}"),
+        ("deadlines.retrieve_max_ms", cap,
+         f"the deadline for {CAP_TOKENS} tokens, capped at {CAP_MS:g} ms"),
+        ("retries.max_attempts", attempts,
+         f"{typ.chunks}-chunk prefix: deadline {fmt(typ_deadline, 1)} ms / p50 retrieve "
+         f"{fmt(typ_p50, 3)} ms, clamped to 1..4"),
+        ("break_even.initial_bandwidth_gbps", float(f"{max(gbps, 1e-3):.3g}"),
+         f"{big.nbytes} bytes / p50 retrieve {fmt(median(big.retrieve_ms), 3)} ms "
+         f"({big.tokens} tokens)"),
+        ("break_even.prefill_tokens_per_s", float(prefill_tps), "--prefill-tokens-per-s"),
+        ("break_even.min_tokens", min_tok, why),
+    ]
+
+
+def render_yaml(host: str, port: int, chunk: int, recs, header: list[str]) -> str:
+    sections: dict[str, list[str]] = {}
+    for key, value, why in recs:
+        sec, name = key.split(".")
+        sections.setdefault(sec, []).append(f"  {name}: {value!r}  # {why}")
+    lines = [f"# {h}" for h in header] + [
+        "mode: mp", f"mp_host: {json.dumps(host)}", f"mp_port: {port}", f"chunk_size: {chunk}"]
+    for sec, rows in sections.items():
+        lines += [f"{sec}:"] + rows
+    return "\n".join(lines) + "\n"
+
+
+def _unreachable(host: str, port: int, endpoint: str, exc: Exception) -> int:
+    addr = f"{host}:{port}"
+    fix = (f"install lmcache=={PROTOCOL_VERSION} on the daemon's side" if isinstance(exc, VersionSkew)
+           else f"start the daemon there (python -m lmcache.v1.multiprocess.server --host {host} "
+                f"--port {port} --chunk-size N) or pass the address it listens on: --daemon HOST:PORT")
+    print(f"error: cannot use the LMCache daemon at {addr} ({endpoint}) within "
+          f"{CONNECT_TIMEOUT_S:g} s: {type(exc).__name__}: {exc}\nfix: {fix}", file=sys.stderr)
+    return EXIT_UNREACHABLE
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        host, port = _parse_daemon(args.daemon)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    requests = max(1, int(args.requests))
+    endpoint, addr = f"tcp://{host}:{port}", f"{host}:{port}"
+    probe = LMCacheMPConnector(endpoint, KVLayout(LAYERS, HEADS, HEAD_DIM, DTYPE, 1),
+                               model_name=MODEL, connect_timeout_s=1.0)
+    try:
+        try:
+            chunk = probe.get_chunk_size(CONNECT_TIMEOUT_S)
+            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+                raise ConnectorError(f"get_chunk_size answered {chunk!r}, not a chunk size")
+            layout = KVLayout(LAYERS, HEADS, HEAD_DIM, DTYPE, chunk)
+            conn = LMCacheMPConnector(endpoint, layout, model_name=MODEL,
+                                      transport=probe.transport)
+            conn.register(CONNECT_TIMEOUT_S)
+        except ConnectorError as exc:
+            return _unreachable(host, port, endpoint, exc)
+        layout_txt = (f"{LAYERS} layers x {HEADS} heads x {HEAD_DIM} head_dim float16, "
+                      f"{layout.bytes_per_token // 1024} KiB/token")
+        print(f"daemon {addr}: chunk size {chunk}; KV layout (fixed, cli.py passes no layout "
+              f"flags): {layout_txt}")
+        max_chunks = max(1, MAX_PREFIX_BYTES // layout.chunk_bytes)
+        sizes = [Size(c, c * chunk) for c in sorted({min(c, max_chunks) for c in SIZES_CHUNKS})]
+        stopped, spent = measure(conn, sizes, requests, WALL_BUDGET_S)
+        try:
+            conn.unregister(CALL_TIMEOUT_S)
+        except ConnectorError:
+            pass
+    finally:
+        probe.close()
+    rows = [(s.chunks, s.tokens, fmt(s.tokens * layout.bytes_per_token / 2**20, 2),
+             f"{len(s.retrieve_ms)}/{len(s.lookup_ms)}", fmt(median(s.lookup_ms), 3),
+             fmt(percentile(s.lookup_ms, 99), 3), fmt(median(s.retrieve_ms), 3),
+             fmt(percentile(s.retrieve_ms, 99), 3), s.misses, len(s.errors)) for s in sizes]
+    print_table(["chunks", "tokens", "MiB", "n ret/look", "lookup p50", "lookup p99", "retrieve p50",
+                 "retrieve p99", "misses", "errors"], rows,
+                title=f"measured (ms; {requests} samples per size after 1 warm-up):")
+    for s in sizes:
+        for e in s.errors[:3]:
+            print(f"  {s.tokens} tokens: {e}")
+    if stopped:
+        print(f"STOPPED EARLY: the {WALL_BUDGET_S:g} s budget ran out after {spent:.1f} s")
+    if not any(s.retrieve_ms for s in sizes):
+        print(f"error: no RETRIEVE of the daemon at {addr} succeeded; nothing to recommend "
+              "(see the errors above)", file=sys.stderr)
+        return EXIT_FAILED
+    fits, recs = recommend(sizes, chunk, args.prefill_tokens_per_s)
+    for name, (a, b) in fits.items():
+        print(f"fit {name}: retrieve_ms = {fmt(a, 3)} + {fmt(b, 4)} * tokens/1024")
+    print("recommended (value  <- the measurement it came from):")
+    width = max(len(k) + len(repr(v)) for k, v, _ in recs) + 2
+    for key, value, why in recs:
+        print(f"  {f'{key}: {value!r}':<{width}}  <- {why}")
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    header = [
+        f"Tuned by `loadback tune` at {when} against the LMCache daemon at {addr}",
+        f"(chunk size {chunk}, protocol lmcache=={PROTOCOL_VERSION}); "
+        f"{requests} samples per prefix size of {[s.tokens for s in sizes]} tokens"
+        + (f", stopped early at the {WALL_BUDGET_S:g} s budget" if stopped else "") + ".",
+        f"Measured assuming a KV layout of {layout_txt}: deadlines scale with",
+        "bytes per token; re-measure (or scale the retrieve deadlines) for another model.",
+    ]
+    text = render_yaml(host, port, chunk, recs, header)
+    try:
+        LoadBackConfig.from_dict(yaml.safe_load(text), source=args.out)  # before writing
+    except (ConfigError, yaml.YAMLError) as exc:
+        print(f"error: the recommended config does not validate: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    tmp = f"{args.out}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}")
+    return 0
