@@ -12,9 +12,10 @@ The LMCache contenders do what its engine-driven SGLang worker path does on CPU
 worker_id None and num_kv_readers=1, WAIT_PREFETCH_STATUS (its SGLang adapter's choice: one
 RPC instead of polling), the EngineDrivenContext's prepare_retrieve (pickle.loads, or SHM
 views), scatter_cpu_to_paged_kv, commit_retrieve, END_SESSION.
-Contenders alternate round by round (rotated order) over the same daemons, stored prefix and
-destination slots; every sample asserts a full hit; the first (warm-up) round of each size
-also checks the landed bytes with torch.equal. Always exits 0: a benchmark reports.
+Contenders alternate round by round (same-mode pairs back to back, ABBA, pairs rotated)
+over the same daemons, stored prefix and destination slots; every sample asserts a full
+hit; the first (warm-up) round of each size also checks the landed bytes with torch.equal.
+Always exits 0: a benchmark reports.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ MIN_SAMPLES = 3
 BUDGET_S = {256: 25.0, 1024: 40.0, 4096: 80.0}  # per size: stop early past this (>= MIN)
 T = 30.0  # per-operation timeout, seconds
 MODEL = "loadback"
-NAMES = ("ours-pickle", "lmc-pickle", "ours-shm", "lmc-shm", "copy", "scatter")
+PAIRS = (("ours-pickle", "lmc-pickle"), ("ours-shm", "lmc-shm"), ("copy", "scatter"))
+NAMES = tuple(n for p in PAIRS for n in p)
 TARGETS = {"p1_ratio_same_mode": ("<=", 1.0), "p1_ratio_best": ("<=", 0.3),
            "p6_shm_vs_memcpy": (">=", 0.5)}
 HINTS = {"tokens_per_block": 1, "kv_list_layout": "k_v"}  # LMCache's SGLang MHA pool hints
@@ -195,7 +197,8 @@ def _pool(fill: bool) -> KVPool:
     shape = (POOL_SLOTS, LAYOUT.num_heads, LAYOUT.head_dim)
     mk = (lambda: torch.randn(shape, generator=g).to(LAYOUT.dtype)) if fill else (
         lambda: torch.zeros(shape, dtype=LAYOUT.dtype))
-    return KVPool([mk() for _ in range(LAYOUT.num_layers)], [mk() for _ in range(LAYOUT.num_layers)])
+    layers = range(LAYOUT.num_layers)
+    return KVPool([mk() for _ in layers], [mk() for _ in layers])
 
 
 def _verify(name, c, toks, src, dst, slots, n) -> None:
@@ -232,9 +235,10 @@ def _bench_size(n, contenders, toks, src, dst, perm, samples):
     times = {k: [] for k in contenders}
     phases = {k: {p: [] for p in ("lookup", "retrieve", "prepare", "scatter", "end")}
               for k in contenders}
-    names, start = list(contenders), time.monotonic()
-    for i in range(samples):
-        for name in names[i % len(names):] + names[:i % len(names)]:  # ABAB.., rotated
+    start = time.monotonic()
+    for i in range(samples):  # same-mode pairs back to back, ABBA within, pairs rotated
+        pairs = PAIRS[i % len(PAIRS):] + PAIRS[:i % len(PAIRS)]
+        for name in (n for p in pairs for n in (p[::-1] if i % 2 else p)):
             t0 = time.perf_counter()
             contenders[name].run(toks[:n], f"b{n}-{name}-{i}-{next(_ids)}", dst, slots, n,
                                  phases[name])
@@ -252,6 +256,7 @@ def _row(n, times, phases):
         "tokens": n, "bytes": nb, "samples": len(times["copy"]), "median_ms": ms, "gbps": gbps,
         "phases_median_ms": {k: {p: median(v) * 1e3 for p, v in ph.items() if v}
                              for k, ph in phases.items() if any(ph.values())},
+        "samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in times.items()},
         "ratio_ours_over_lmc_pickle": ms["ours-pickle"] / ms["lmc-pickle"],
         "ratio_ours_over_lmc_shm": ms["ours-shm"] / ms["lmc-shm"],
         "ratio_ours_shm_over_lmc_pickle": ms["ours-shm"] / ms["lmc-pickle"],
