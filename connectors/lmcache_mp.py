@@ -276,11 +276,15 @@ class LMCacheMPConnector:
     def settle_lookup(self, token_ids: Sequence[int], request_id: str, timeout_s: float,
                       *, cache_salt: str = "") -> bool:
         """After a LOOKUP whose answer never came: once its prefetch has finished, release
-        whatever it locked. False while it may still be running (ask again later)."""
-        chunks = self.query_prefetch_status(request_id, timeout_s)
-        if not chunks:
-            return False  # still running (None), or unknown so far (0): not settled yet
-        self.free_locks(token_ids, request_id, 0, chunks * self.chunk_size, timeout_s,
+        what it locked. False while it is still running (ask again later).
+
+        The daemon derives the release from the lookup result it recorded for the session,
+        so this is right whether the one-shot status was consumed by a lost reply (answers
+        0 now), never arrived (nothing to release) or is answered now.
+        """
+        if self.query_prefetch_status(request_id, timeout_s) is None:
+            return False
+        self.free_locks(token_ids, request_id, 0, self.aligned(len(token_ids)), timeout_s,
                         cache_salt=cache_salt)
         return True
 

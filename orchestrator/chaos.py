@@ -98,7 +98,7 @@ def base_config(port: int, overrides: dict) -> LoadBackConfig:
     cfg = {
         "mp_port": port, "chunk_size": LAYOUT.chunk_size,
         "deadlines": {"lookup_ms": 50, "retrieve_base_ms": 100, "retrieve_per_ki_token_ms": 20,
-                      "retrieve_max_ms": 300, "control_ms": 50},
+                      "retrieve_max_ms": 300, "control_ms": 100},
         "heartbeat": {"interval_ms": 100},
         "breaker": {"consecutive_failures": 3, "cooldown_ms": 100, "cooldown_max_ms": 800},
     }

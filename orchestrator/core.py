@@ -89,6 +89,10 @@ class _Debt:
     epoch: int
     tries: int = 0
     max_tries: int = 20
+    #: Repeat after any failure (True only for idempotent work). A release that may have
+    #: reached the daemon is never sent twice: a second free_lookup_locks would strip
+    #: another reader's lock. Only "not sent" (DaemonUnavailable) repeats those.
+    idempotent: bool = False
 
 
 class LoadBackOrchestrator:
@@ -128,12 +132,18 @@ class LoadBackOrchestrator:
         self._stop = threading.Event()
         self.metrics.set_daemon_up(False)
         self.metrics.config_generation(1)
-        self._heartbeat: threading.Thread | None = None
-        if start_heartbeat if start_heartbeat is not None else config.heartbeat.enabled:
-            # Startup never blocks on the daemon: registration happens on this thread.
-            self._heartbeat = threading.Thread(target=self._heartbeat_loop,
-                                               name="loadback-heartbeat", daemon=True)
-            self._heartbeat.start()
+        self._pay_lock = threading.Lock()
+        self._release_wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._background = bool(start_heartbeat if start_heartbeat is not None
+                                else config.heartbeat.enabled)
+        if self._background:
+            # Startup never blocks on the daemon: registration happens on the heartbeat.
+            for name, target in (("heartbeat", self._heartbeat_loop),
+                                 ("releaser", self._releaser_loop)):
+                t = threading.Thread(target=target, name=f"loadback-{name}", daemon=True)
+                t.start()
+                self._threads.append(t)
 
     # ------------------------------------------------------------------ match
 
@@ -200,13 +210,15 @@ class LoadBackOrchestrator:
             try:
                 return self.connector.lookup_hit_tokens(
                     p.token_ids, p.request_id, left, cache_salt=p.cache_salt)
-            except DaemonTimeout:
-                # The daemon may still run this LOOKUP and lock chunks: settle it (wait for
-                # its result, release its locks) before anything else of this request.
+            except DaemonUnavailable:
+                raise  # nothing was sent
+            except ConnectorError:
+                # The LOOKUP may have run (or its one-shot status reply was lost): settle it
+                # (wait for its result, release what it locked) before anything else.
                 self._owe(_Debt("settle_lookup", p.request_id, lambda t: (
                     self.connector.settle_lookup(p.token_ids, p.request_id, t,
                                                  cache_salt=p.cache_salt)),
-                    p.epoch, max_tries=5))
+                    p.epoch, max_tries=20, idempotent=True))
                 raise
 
         try:
@@ -373,7 +385,7 @@ class LoadBackOrchestrator:
         if had_session:
             self._control("end_session", request_id,
                           lambda t: self.connector.end_session(request_id, t),
-                          p.epoch if p else self._registered_epoch)
+                          p.epoch if p else self._registered_epoch, idempotent=True)
 
     def reload(self, config: LoadBackConfig) -> None:
         """Swap policy values (deadlines, retries, breaker, break-even, heartbeat) in place.
@@ -448,18 +460,30 @@ class LoadBackOrchestrator:
                 p.token_ids, p.request_id, start, end, t, cache_salt=p.cache_salt), p.epoch)
 
     def _control(self, op: str, request_id: str, run: Callable[[float], bool | None],
-                 epoch: int | None) -> None:
-        """A release the daemon is owed: now if it answers and nothing of this request is
-        queued before it, else queued for the heartbeat."""
-        debt = _Debt(op, request_id, run, epoch if epoch is not None else -1)
+                 epoch: int | None, *, idempotent: bool = False) -> None:
+        """A release the daemon is owed. With background threads it is queued and paid by
+        the releaser at once, off the request path (a hung daemon must not stretch match,
+        load_back or finish); without them (tests, benchmarks) it runs inline."""
+        debt = _Debt(op, request_id, run, epoch if epoch is not None else -1,
+                     idempotent=idempotent)
+        if self._background:
+            self._owe(debt)
+            self._release_wake.set()
+            return
         with self._lock:
             queued = any(d.request_id == request_id for d in self._debts)
         if not queued and self.breaker.allow():
             try:
                 if run(self.config.deadlines.control_ms / 1000) is not False:
                     return
-            except ConnectorError:
+            except DaemonUnavailable:
                 self.breaker.record(False)
+            except ConnectorError as exc:
+                self.breaker.record(False)
+                if not idempotent:
+                    log.debug("%s for %s may have reached the daemon; not repeated: %s",
+                              op, request_id, exc)
+                    return
         self._owe(debt)
 
     def _owe(self, debt: _Debt) -> None:
@@ -493,7 +517,8 @@ class LoadBackOrchestrator:
                          or self._suspect)
         try:
             if must_register:
-                self.connector.register(control_s)
+                # Off the request path: registration may take the connect budget.
+                self.connector.register(max(control_s, self.config.deadlines.connect_ms / 1000))
                 self._suspect = False
                 if self._registered_epoch is not None and epoch != self._registered_epoch:
                     self.metrics.reregistered()
@@ -517,6 +542,10 @@ class LoadBackOrchestrator:
         self._pay_debts(control_s)
 
     def _pay_debts(self, control_s: float) -> None:
+        with self._pay_lock:  # one payer at a time keeps each request's releases in order
+            self._pay_debts_locked(control_s)
+
+    def _pay_debts_locked(self, control_s: float) -> None:
         with self._lock:
             debts, self._debts = self._debts, []
         epoch = self.connector.epoch
@@ -530,8 +559,10 @@ class LoadBackOrchestrator:
                 continue
             try:
                 done = d.run(control_s) is not False
-            except ConnectorError:
+            except DaemonUnavailable:
                 done = False
+            except ConnectorError:
+                done = not d.idempotent  # may have been applied: never sent twice
             if not done:
                 d.tries += 1
                 if d.tries < d.max_tries:
@@ -551,11 +582,22 @@ class LoadBackOrchestrator:
                             min(interval, 0.05))
             self._wake.clear()
 
+    def _releaser_loop(self) -> None:
+        """Pays what the daemon is owed as soon as it is queued, while the breaker allows."""
+        while not self._stop.is_set():
+            self._release_wake.wait(self.config.heartbeat.interval_ms / 1000)
+            self._release_wake.clear()
+            if self._debts and self.breaker.allow() and self._registered_epoch is not None:
+                try:
+                    self._pay_debts(self.config.deadlines.control_ms / 1000)
+                except Exception:  # the releaser must outlive any bug in one pass
+                    log.exception("releasing owed daemon state failed")
+
     def wait_registered(self, timeout_s: float) -> bool:
-        """Test and demo helper: wait until the heartbeat has registered."""
+        """Wait until registered with the current daemon and the breaker is closed."""
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
-            if self._registered():
+            if self._registered() and self.breaker.allow():
                 return True
             time.sleep(0.01)
         return False
@@ -567,8 +609,10 @@ class LoadBackOrchestrator:
         self._closed = True
         self._stop.set()
         self._wake.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=5)
+        self._release_wake.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._background = False  # from here on, releases run inline
         with self._lock:
             ids = list(self._live) + [s for s in self._sessions if s not in self._live]
         for rid in ids:

@@ -1,0 +1,34 @@
+"""A short subset of the chaos scenarios, in the suite: real daemon, real faults, every
+invariant judged (`loadback chaos run --scenario all` runs them in full)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.chaos import load_scenarios, run_scenario
+
+pytestmark = [pytest.mark.daemon, pytest.mark.timeout(300)]
+
+
+@pytest.mark.parametrize("name, requests", [
+    ("restart", 150), ("hang", 150), ("lost_replies", 150), ("corrupt_kv", 150),
+    ("rogue_pickle", 100),
+])
+def test_scenario_keeps_every_invariant(name, requests):
+    (scn,) = load_scenarios(name)
+    r = run_scenario(scn, requests)
+    assert r.requests == requests
+    assert r.hung == 0, r
+    assert r.leaked == 0, r.leaks
+    assert r.wrong_bytes == 0
+    assert r.counters_ok, r.counter_mismatches
+    assert r.loaded > 0  # the run really loaded KV, before and after the fault
+    if name == "restart":
+        assert r.recovery_s is not None
+    if name in ("corrupt_kv", "lost_replies"):
+        assert sum(r.degraded.values()) > 0  # the fault really bit
+
+
+def test_unknown_scenario_names_the_known_ones():
+    with pytest.raises(SystemExit, match="known: .*baseline"):
+        load_scenarios("nope")
