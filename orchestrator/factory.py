@@ -33,4 +33,11 @@ def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, me
                                 kv_pool=kv_pool)
     if owned is not None:
         orch.on_close(owned.close)
+    if config.metrics.enabled:
+        from metrics import start_metrics_server
+
+        server = start_metrics_server(config.metrics.host, config.metrics.port,
+                                      registry=orch.metrics)
+        orch.metrics_server = server
+        orch.on_close(server.close)
     return orch

@@ -40,3 +40,18 @@ def test_layout_chunk_mismatch_is_a_clear_error():
     layout = KVLayout(num_layers=1, num_heads=1, head_dim=8, dtype=torch.float16, chunk_size=16)
     with pytest.raises(ValueError, match="chunk_size 16 differs from the config's chunk_size"):
         create_orchestrator(cfg, layout=layout, kv_pool=make_pool(layout, 64))
+
+
+def test_metrics_enabled_in_yaml_serves_metrics_on_loopback(tmp_path):
+    import urllib.request
+
+    cfg = LoadBackConfig.from_dict({"mode": "ip", "ip": {"chunk_size": 16, "l1_size_gb": 0.1},
+                                    "metrics": {"enabled": True, "port": 0}})
+    layout = KVLayout(num_layers=1, num_heads=2, head_dim=8, dtype=torch.float16, chunk_size=16)
+    orch = create_orchestrator(cfg, layout=layout, kv_pool=make_pool(layout, 64))
+    try:
+        assert orch.metrics_server.host == "127.0.0.1"
+        body = urllib.request.urlopen(orch.metrics_server.url, timeout=5).read().decode()
+        assert "loadback_config_generation 1.0" in body
+    finally:
+        orch.close()
