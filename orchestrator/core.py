@@ -4,16 +4,17 @@ Who calls it: the SGLang cache hook (match_prefix -> `match`, init_load_back ->
 `load_back`, cache_finished_req -> `store` + `finish`, abort -> `abort`), the demo, the
 chaos harness and the benchmarks. Nothing here may block past a deadline or raise into
 the engine for a daemon failure: failures become `degraded` with a reason, and the
-engine recomputes. Where a RETRIEVE is sent: `_retrieve_once`; where its deadline is
+engine recomputes. Where a RETRIEVE is sent: `_retrieve`; where its deadline is
 decided: `load_back` (config.deadlines.retrieve_s); where its outcome is counted: `_settle`.
+Keeping the daemon relationship alive (heartbeat, registration, owed releases) lives in
+`upkeep.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -31,7 +32,6 @@ from metrics import LoadbackMetrics
 from .config import ConfigError, LoadBackConfig
 from .policies import (
     BreakEvenGuard,
-    BreakerState,
     CircuitBreaker,
     Clock,
     monotonic,
@@ -39,6 +39,7 @@ from .policies import (
 )
 from .states import DegradeReason, PrefixState, fire, transition_pairs
 from .tp import TPAgreement
+from .upkeep import DaemonUpkeep, _Debt
 
 log = logging.getLogger("loadback")
 R = DegradeReason
@@ -75,27 +76,7 @@ class Prefix:
         return max(0, self.hit_tokens - self.local_tokens)
 
 
-@dataclass
-class _Debt:
-    """Cleanup the daemon is owed but could not take yet (down, hung, breaker open).
-
-    `run(timeout_s)` returns False (or raises) while it cannot complete yet. Debts of one
-    request are paid in order: a session is never ended before its locks are settled.
-    """
-
-    what: str
-    request_id: str
-    run: Callable[[float], bool | None]
-    epoch: int
-    tries: int = 0
-    max_tries: int = 20
-    #: Repeat after any failure (True only for idempotent work). A release that may have
-    #: reached the daemon is never sent twice: a second free_lookup_locks would strip
-    #: another reader's lock. Only "not sent" (DaemonUnavailable) repeats those.
-    idempotent: bool = False
-
-
-class LoadBackOrchestrator:
+class LoadBackOrchestrator(DaemonUpkeep):
     def __init__(
         self,
         config: LoadBackConfig,
@@ -458,149 +439,6 @@ class LoadBackOrchestrator:
         if end > start:
             self._control("free_locks", p.request_id, lambda t: self.connector.free_locks(
                 p.token_ids, p.request_id, start, end, t, cache_salt=p.cache_salt), p.epoch)
-
-    def _control(self, op: str, request_id: str, run: Callable[[float], bool | None],
-                 epoch: int | None, *, idempotent: bool = False) -> None:
-        """A release the daemon is owed. With background threads it is queued and paid by
-        the releaser at once, off the request path (a hung daemon must not stretch match,
-        load_back or finish); without them (tests, benchmarks) it runs inline."""
-        debt = _Debt(op, request_id, run, epoch if epoch is not None else -1,
-                     idempotent=idempotent)
-        if self._background:
-            self._owe(debt)
-            self._release_wake.set()
-            return
-        with self._lock:
-            queued = any(d.request_id == request_id for d in self._debts)
-        if not queued and self.breaker.allow():
-            try:
-                if run(self.config.deadlines.control_ms / 1000) is not False:
-                    return
-            except DaemonUnavailable:
-                self.breaker.record(False)
-            except ConnectorError as exc:
-                self.breaker.record(False)
-                if not idempotent:
-                    log.debug("%s for %s may have reached the daemon; not repeated: %s",
-                              op, request_id, exc)
-                    return
-        self._owe(debt)
-
-    def _owe(self, debt: _Debt) -> None:
-        with self._lock:
-            self._debts.append(debt)
-
-    def _registered(self) -> bool:
-        epoch = self.connector.epoch
-        if self._registered_epoch is None or epoch != self._registered_epoch:
-            self._wake.set()  # let the heartbeat (re-)register now
-            return False
-        return True
-
-    # -------------------------------------------------------------- heartbeat
-
-    def tick(self) -> None:
-        """One heartbeat: register if needed, probe when the breaker allows, ping, pay
-        debts. Runs on the heartbeat thread; tests call it directly."""
-        late = self.connector.late_replies
-        if late > self._late_seen:
-            self.metrics.late_reply(late - self._late_seen)
-            self._late_seen = late
-        if self.breaker.state == BreakerState.OPEN and not self.breaker.probe_due():
-            if self.connector.epoch == self._registered_epoch:
-                return
-            # A new daemon accepted our connection: probe it now, not after the cooldown.
-            self.breaker.probe_now()
-        control_s = self.config.deadlines.control_ms / 1000
-        epoch = self.connector.epoch
-        must_register = (self._registered_epoch is None or epoch != self._registered_epoch
-                         or self._suspect)
-        try:
-            if must_register:
-                # Off the request path: registration may take the connect budget.
-                self.connector.register(max(control_s, self.config.deadlines.connect_ms / 1000))
-                self._suspect = False
-                if self._registered_epoch is not None and epoch != self._registered_epoch:
-                    self.metrics.reregistered()
-                    with self._lock:  # the old daemon's locks and sessions died with it
-                        self._debts = [d for d in self._debts if d.epoch == epoch]
-                        self._sessions.clear()
-                self._registered_epoch = epoch
-            else:
-                self.connector.ping(control_s)
-        except ConnectorError as exc:
-            log.debug("heartbeat failed: %s", exc)
-            self.metrics.set_daemon_up(False)
-            if self._registered_epoch is None and self.breaker.state == BreakerState.CLOSED:
-                self.breaker.trip()  # never reached: answer 0 at once until a probe succeeds
-            else:
-                self.breaker.record(False)
-            return
-        self.metrics.set_daemon_up(True)
-        if self.breaker.state == BreakerState.HALF_OPEN:
-            self.breaker.record(True)
-        self._pay_debts(control_s)
-
-    def _pay_debts(self, control_s: float) -> None:
-        with self._pay_lock:  # one payer at a time keeps each request's releases in order
-            self._pay_debts_locked(control_s)
-
-    def _pay_debts_locked(self, control_s: float) -> None:
-        with self._lock:
-            debts, self._debts = self._debts, []
-        epoch = self.connector.epoch
-        keep: list[_Debt] = []
-        blocked: set[str] = set()
-        for d in debts:
-            if d.epoch not in (epoch, -1):
-                continue  # the daemon that was owed is gone, and its locks with it
-            if d.request_id in blocked:
-                keep.append(d)
-                continue
-            try:
-                done = d.run(control_s) is not False
-            except DaemonUnavailable:
-                done = False
-            except ConnectorError:
-                done = not d.idempotent  # may have been applied: never sent twice
-            if not done:
-                d.tries += 1
-                if d.tries < d.max_tries:
-                    keep.append(d)
-                    blocked.add(d.request_id)
-        with self._lock:
-            self._debts = keep + self._debts
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.is_set():
-            interval = self.config.heartbeat.interval_ms / 1000
-            try:
-                self.tick()
-            except Exception:  # the heartbeat must outlive any bug in one tick
-                log.exception("heartbeat tick failed")
-            self._wake.wait(interval if self._registered_epoch is not None else
-                            min(interval, 0.05))
-            self._wake.clear()
-
-    def _releaser_loop(self) -> None:
-        """Pays what the daemon is owed as soon as it is queued, while the breaker allows."""
-        while not self._stop.is_set():
-            self._release_wake.wait(self.config.heartbeat.interval_ms / 1000)
-            self._release_wake.clear()
-            if self._debts and self.breaker.allow() and self._registered_epoch is not None:
-                try:
-                    self._pay_debts(self.config.deadlines.control_ms / 1000)
-                except Exception:  # the releaser must outlive any bug in one pass
-                    log.exception("releasing owed daemon state failed")
-
-    def wait_registered(self, timeout_s: float) -> bool:
-        """Wait until registered with the current daemon and the breaker is closed."""
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self._registered() and self.breaker.allow():
-                return True
-            time.sleep(0.01)
-        return False
 
     def close(self) -> None:
         """Abort every live prefix, pay what the daemon is owed (bounded), unregister."""

@@ -156,7 +156,7 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     if len(set(xs)) < 2:
         return 0.0, ys[0] / xs[0]
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
     a = my - b * mx
     if b < 0:
