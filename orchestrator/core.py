@@ -194,12 +194,7 @@ class LoadBackOrchestrator(DaemonUpkeep):
             except DaemonUnavailable:
                 raise  # nothing was sent
             except ConnectorError:
-                # The LOOKUP may have run (or its one-shot status reply was lost): settle it
-                # (wait for its result, release what it locked) before anything else.
-                self._owe(_Debt("settle_lookup", p.request_id, lambda t: (
-                    self.connector.settle_lookup(p.token_ids, p.request_id, t,
-                                                 cache_salt=p.cache_salt)),
-                    p.epoch, max_tries=20, idempotent=True))
+                self._owe_settle(p)
                 raise
 
         try:
@@ -273,8 +268,17 @@ class LoadBackOrchestrator(DaemonUpkeep):
                 raise DaemonTimeout("retrieve", budget_s)
             if p.attempts > 0 and not isinstance(last[-1], DaemonUnavailable):
                 # A lost reply may have consumed the locks: look up again first.
-                hit = self.connector.lookup_hit_tokens(
-                    p.token_ids, p.request_id, left, cache_salt=p.cache_salt)
+                try:
+                    hit = self.connector.lookup_hit_tokens(
+                        p.token_ids, p.request_id, left, cache_salt=p.cache_salt)
+                except DaemonUnavailable:
+                    raise
+                except ConnectorError as exc:
+                    # This LOOKUP may hold locks now: settle it, and stop retrying so no
+                    # other LOOKUP of this request overlaps the settling.
+                    self._owe_settle(p)
+                    exc.final = True
+                    raise
                 if hit < end:
                     if hit:
                         self._free_locks(p, 0, hit)
@@ -314,6 +318,14 @@ class LoadBackOrchestrator(DaemonUpkeep):
             if isinstance(exc, ProtocolError):
                 return 0, R.SHORT_READ if "chunks" in str(exc) else R.CORRUPT_DATA
             return 0, R.RETRIEVE_ERROR
+
+    def _owe_settle(self, p: Prefix) -> None:
+        """The LOOKUP may have run (or its one-shot status reply was lost): settle it (wait
+        for its result, release what it locked) before anything else of this request."""
+        self._owe(_Debt("settle_lookup", p.request_id, lambda t: (
+            self.connector.settle_lookup(p.token_ids, p.request_id, t, cache_salt=p.cache_salt)),
+            p.epoch, max_tries=20, idempotent=True))
+        self._release_wake.set()
 
     def _before_retry(self, p: Prefix) -> None:
         self.metrics.retry("retrieve")

@@ -29,8 +29,10 @@ monotonic: Clock = time.monotonic
 
 
 def retry_safe(exc: BaseException) -> bool:
-    """Only daemon-side failures are retried; a version skew never heals by retrying."""
-    return isinstance(exc, ConnectorError) and not isinstance(exc, VersionSkew)
+    """Only daemon-side failures are retried; a version skew never heals by retrying, and
+    an error marked `final` by the caller ends the attempts."""
+    return (isinstance(exc, ConnectorError) and not isinstance(exc, VersionSkew)
+            and not getattr(exc, "final", False))
 
 
 def retrying(policy: Retries, budget_s: float, *, clock: Clock = monotonic,

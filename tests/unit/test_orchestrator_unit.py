@@ -288,3 +288,19 @@ class PrefixLifecycle(RuleBasedStateMachine):
 
 TestPrefixLifecycle = PrefixLifecycle.TestCase
 TestPrefixLifecycle.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+def test_failed_relookup_settles_that_lookup_and_stops_retrying():
+    orch, conn, _, _ = make(retries={"max_attempts": 3})
+    toks = list(range(64))
+    store(orch, toks, torch.arange(64))
+    assert orch.match("r", toks) == 64
+    conn.fail_next["retrieve"].append(DaemonTimeout("prep", 0.1))
+    conn.fail_next["lookup"].append(DaemonTimeout("lookup", 0.1))  # the re-lookup's answer is lost
+    res = orch.load_back("r", torch.arange(900, 964))
+    assert res.loaded_tokens == 0 and res.reason == DegradeReason.RETRIEVE_TIMEOUT
+    assert conn.calls["retrieve"] == 1 and conn.calls["lookup"] == 2
+    assert orch.pending_debts() == 1
+    orch.finish("r")
+    orch.tick()
+    assert conn.held_locks() == 0 and orch.pending_debts() == 0
