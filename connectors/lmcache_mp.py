@@ -406,6 +406,8 @@ class LMCacheMPConnector:
                 return True  # every chunk is cached already
             if len(ctx.slots) != len(ctx.chunk_indices):
                 raise ProtocolError("prepare_store: slots and chunk_indices differ in length")
+            if self._shm is None:
+                raise DaemonUnavailable("shared-memory pool not mapped: register first")
             views = [self._shm.view(s, self.layout) for s in ctx.slots]
             gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots,
                           out=views, chunk_indices=list(ctx.chunk_indices))
