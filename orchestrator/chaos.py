@@ -49,6 +49,9 @@ class Scenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int = 0
     requests: int = 500
     max_seconds: float = 120.0  # the run stops by itself after this, whatever is left
+    # Requests arrive at most this often, like traffic, not a tight loop: with the breaker
+    # open a request costs microseconds, and recovery is judged in wall time.
+    request_interval_ms: float = 10.0
     transfer: Literal["pickle", "shm"] = "pickle"
     fault: Fault = msgspec.field(default_factory=Fault)
     config: dict = {}           # LoadBackConfig overrides for this scenario
@@ -98,7 +101,7 @@ def base_config(port: int, overrides: dict) -> LoadBackConfig:
     cfg = {
         "mp_port": port, "chunk_size": LAYOUT.chunk_size,
         "deadlines": {"lookup_ms": 50, "retrieve_base_ms": 100, "retrieve_per_ki_token_ms": 20,
-                      "retrieve_max_ms": 300, "control_ms": 100},
+                      "retrieve_max_ms": 300, "control_ms": 100, "store_ms": 300},
         "heartbeat": {"interval_ms": 100},
         "breaker": {"consecutive_failures": 3, "cooldown_ms": 100, "cooldown_max_ms": 800},
     }
@@ -161,9 +164,13 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
         begin, stop_at = int(fault.start * n_req), int(fault.end * n_req)
         deadline = time.monotonic() + scn.max_seconds
         phase = ""
+        t_start = time.monotonic()
         for i in range(n_req):
             if time.monotonic() > deadline:
                 break
+            due = t_start + i * scn.request_interval_ms / 1000
+            if time.monotonic() < due:
+                time.sleep(due - time.monotonic())
             if fault.kind not in ("none", "absent_at_start") and i == begin:
                 _begin_fault(fault, daemon, proxy)
             if fault.kind != "none" and i == stop_at:
