@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_diagram_cmd)
 
     p = sub.add_parser("demo", help="a real daemon, a workload, a kill and a restart")
-    p.add_argument("--requests", type=int, default=240)
+    p.add_argument("--requests", type=int, default=800)
+    p.add_argument("--interval-ms", type=float, default=50.0, help="time between requests")
     p.add_argument("--json", metavar="FILE")
     p.set_defaults(fn=lambda a: __import__("orchestrator.demo", fromlist=["run"]).run(a))
 

@@ -25,6 +25,7 @@ def run(args) -> int:
     server = start_metrics_server("127.0.0.1", 0, registry=metrics)
     print(f"metrics: {server.url}")
     scn = Scenario(name="demo", seed=42, requests=args.requests, max_seconds=150,
+                   request_interval_ms=args.interval_ms,
                    description="kill the daemon at 35%, a new one on the same port at 55%",
                    fault=Fault(kind="kill", start=0.35, end=0.55))
     t0 = time.monotonic()
@@ -44,6 +45,10 @@ def run(args) -> int:
     loaded = total("loadback_loaded_tokens_total")
     print(f"\ntokens promised by match(): {promised:,.0f}   loaded: {loaded:,.0f}   "
           f"recomputed after a failed load: {total('loadback_recomputed_tokens_total'):,.0f}")
+    print("lookups: " + ", ".join(
+        f"{k.split('=', 1)[1].rstrip('}')}={v:g}" for k, v in sorted(snap.items())
+        if k.startswith("loadback_lookups_total")) + " (skipped: answered 0 at once, the "
+        "breaker open while the daemon was down)")
     print("outcomes:", ", ".join(
         f"{k.split('{', 1)[1].rstrip('}')}={v:g}" for k, v in sorted(snap.items())
         if k.startswith("loadback_prefix_outcomes_total") and v))
