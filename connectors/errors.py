@@ -9,6 +9,7 @@ Callers catch by meaning, never by message:
       ProtocolError                an answer that cannot be trusted: garbled frame,
                                    wrong op echo, payload of the wrong type/shape/dtype,
                                    or bytes that tried to run code
+        RequestDropped             a later request was answered, this one never
       DaemonRejected               the daemon answered and said no
     SlotsError (ValueError)        the caller passed KV slots that do not fit the request
 """
@@ -53,6 +54,11 @@ class VersionSkew(DaemonUnavailable):
 
 class ProtocolError(ConnectorError):
     """The daemon's answer is malformed or unsafe; it is discarded, never used."""
+
+
+class RequestDropped(ProtocolError):
+    """The daemon answered a request sent after this one but never this one: it dropped it
+    (its handler raised, or it cannot decode this protocol)."""
 
 
 class DaemonRejected(ConnectorError):

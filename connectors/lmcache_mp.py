@@ -27,11 +27,11 @@ import torch
 
 from . import wire
 from .errors import (
-    ConnectorError,
     DaemonRejected,
     DaemonTimeout,
     DaemonUnavailable,
     ProtocolError,
+    RequestDropped,
     SlotsError,
     VersionSkew,
 )
@@ -203,7 +203,6 @@ class LMCacheMPConnector:
     def register(self, timeout_s: float) -> wire.RegisterReply:
         """Register this rank's KV layout; idempotent. Raises VersionSkew when the
         endpoint answers the version-independent noop but ignores registration."""
-        start = time.monotonic()
         payload = wire.RegisterPayload(
             instance_id=self.instance_id, model_name=self.model_name,
             world_size=self.world_size, block_size=1,
@@ -212,13 +211,21 @@ class LMCacheMPConnector:
             num_physical_slots=self.chunk_size,
         )
         epoch = self.transport.epoch
+        # Registration and noop are both answered inline, in arrival order: a noop answer
+        # without the registration's proves the daemon dropped it (another version).
         try:
-            # Keep a slice of the budget to tell a hung daemon from one of another version.
-            reply = self._call("register_kv_cache_engine_driven_context", [payload],
-                               timeout_s * 0.75)
-        except DaemonTimeout:
-            self._diagnose_silence(timeout_s - (time.monotonic() - start))
-            raise
+            frame = self.transport.call("register_kv_cache_engine_driven_context",
+                                        [wire.encode(payload)], timeout_s, probe=True)
+        except RequestDropped:
+            raise VersionSkew(
+                f"the daemon at {self.endpoint} answers noop but drops registration: it runs "
+                f"another lmcache version. This client speaks lmcache=={wire.PROTOCOL_VERSION}; "
+                "install exactly that version on both sides.") from None
+        try:
+            reply = None if frame is None else wire.DECODERS[
+                "register_kv_cache_engine_driven_context"].decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"register: undecodable result ({exc})") from None
         if reply is None:
             raise ProtocolError("register: empty reply")
         if self.transfer == "shm":
@@ -232,19 +239,6 @@ class LMCacheMPConnector:
             self._shm = _ShmPool(reply.shm_name, reply.pool_size)
         self.registered_epoch = epoch
         return reply
-
-    def _diagnose_silence(self, budget_s: float) -> None:
-        if budget_s <= 0.002:
-            return
-        try:
-            answer = self.noop(budget_s)
-        except ConnectorError:
-            return  # silent to everything: a hung daemon, the timeout stands
-        raise VersionSkew(
-            f"the daemon at {self.endpoint} answers noop ({answer!r}) but ignores "
-            f"registration: it runs another lmcache version. This client speaks lmcache=="
-            f"{wire.PROTOCOL_VERSION}; install exactly that version on both sides."
-        )
 
     def unregister(self, timeout_s: float) -> None:
         self._call("unregister_kv_cache_engine_driven_context", [self.instance_id], timeout_s)

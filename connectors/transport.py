@@ -28,7 +28,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .errors import DaemonTimeout, DaemonUnavailable, ProtocolError
+from .errors import DaemonTimeout, DaemonUnavailable, ProtocolError, RequestDropped
 from .wire import OP_FRAMES
 
 _uid_decoder = msgspec.msgpack.Decoder(int)
@@ -120,25 +120,39 @@ class ZmqTransport:
     # -- calls ---------------------------------------------------------------
 
     def call(
-        self, op: str, payloads: Sequence[bytes], timeout_s: float
+        self, op: str, payloads: Sequence[bytes], timeout_s: float, *, probe: bool = False
     ) -> memoryview | None:
         """Send `op` and wait at most `timeout_s` for its reply.
 
         Returns the result frame (a memoryview valid until the next call on this
         thread) or None when the daemon's handler returned None. Raises DaemonTimeout,
         DaemonUnavailable or ProtocolError; never blocks past the deadline.
+
+        `probe=True` (for ops the daemon answers inline, in arrival order, like
+        registration): a noop follows `op` on the same connection, so a noop answer that
+        arrives first proves the daemon dropped `op` unanswered: RequestDropped.
         """
         deadline = time.monotonic() + max(0.0, timeout_s)
         sock = self._socket()
         uid = next(self._uids)
         op_frame = OP_FRAMES[op]
-        frames = [msgspec.msgpack.encode(uid), op_frame, *payloads]
-        self._send(sock, op, frames, deadline, timeout_s)
+        self._send(sock, op, [msgspec.msgpack.encode(uid), op_frame, *payloads], deadline,
+                   timeout_s)
+        probe_uid = None
+        if probe:
+            probe_uid = next(self._uids)
+            self._send(sock, op, [msgspec.msgpack.encode(probe_uid), OP_FRAMES["noop"]],
+                       deadline, timeout_s)
+        result: memoryview | None = None
+        answered = False
         while True:
             remaining_ms = (deadline - time.monotonic()) * 1000
             if remaining_ms <= 0 or not sock.poll(max(1, int(remaining_ms + 0.999)), zmq.POLLIN):
                 if time.monotonic() < deadline:
                     continue
+                if answered:  # the probe's answer is late; ours is in hand
+                    self._discard_socket(sock)
+                    return result
                 self._discard_socket(sock)
                 raise DaemonTimeout(op, timeout_s)
             reply = sock.recv_multipart(copy=False)
@@ -146,17 +160,23 @@ class ZmqTransport:
                 reply_uid = _uid_decoder.decode(reply[0].buffer)
             except (msgspec.DecodeError, IndexError):
                 raise ProtocolError(f"{op}: reply with an undecodable request id") from None
-            if reply_uid != uid:
+            if probe_uid is not None and reply_uid == probe_uid:
+                if answered:
+                    return result
+                self._discard_socket(sock)
+                raise RequestDropped(f"{op}: the daemon answered a later noop but not {op}")
+            if reply_uid != uid or answered:
                 # A reply to a call that already gave up (or a duplicate): never hand it on.
                 self.late_replies += 1
                 continue
             if len(reply) < 2 or reply[1].bytes != op_frame:
                 raise ProtocolError(f"{op}: reply echoes another operation")
-            if len(reply) == 2:
-                return None
             if len(reply) > 3:
                 raise ProtocolError(f"{op}: reply has {len(reply)} frames, expected 2 or 3")
-            return reply[2].buffer
+            result = None if len(reply) == 2 else reply[2].buffer
+            if probe_uid is None:
+                return result
+            answered = True  # the probe's answer follows in order; take it off the socket
 
     def _send(self, sock, op, frames, deadline, timeout_s) -> None:
         while True:
