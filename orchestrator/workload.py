@@ -188,10 +188,8 @@ class Engine:
             # Recompute whatever did not load, into fresh slots (the engine's prefill).
             start = local + loaded
             rest = self.slots.alloc(len(prompt) - start)
-            if rest is not None:
+            if rest is not None:  # slots of a failed load go back to the pool unread
                 held.append(rest)
-                if loaded == 0 and got is not None:
-                    pass  # slots of a failed load go back to the pool below, never read
                 write_kv(self.pool, self.layout, prefix_kv(self.layout, prompt, start, len(prompt)), rest)
             if self.rng.random() < self.abort_ratio:
                 orch.abort(rid)
