@@ -43,7 +43,7 @@ class ZmqTransport:
         *,
         connect_timeout_s: float = 1.0,
         reconnect_ivl_s: float = 0.05,
-        reconnect_ivl_max_s: float = 0.5,
+        reconnect_ivl_max_s: float = 0.2,
     ) -> None:
         self.endpoint = endpoint
         self._connect_timeout_ms = max(1, int(connect_timeout_s * 1000))

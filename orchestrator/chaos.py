@@ -164,13 +164,14 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
         begin, stop_at = int(fault.start * n_req), int(fault.end * n_req)
         deadline = time.monotonic() + scn.max_seconds
         phase = ""
-        t_start = time.monotonic()
+        due = time.monotonic()
         for i in range(n_req):
             if time.monotonic() > deadline:
                 break
-            due = t_start + i * scn.request_interval_ms / 1000
+            # Paced from the previous request, never a burst to catch up after a stall.
             if time.monotonic() < due:
                 time.sleep(due - time.monotonic())
+            due = time.monotonic() + scn.request_interval_ms / 1000
             if fault.kind not in ("none", "absent_at_start") and i == begin:
                 _begin_fault(fault, daemon, proxy)
             if fault.kind != "none" and i == stop_at:

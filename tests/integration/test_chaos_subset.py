@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.daemon, pytest.mark.timeout(300)]
 
 
 @pytest.mark.parametrize("name, requests", [
-    ("restart", 150), ("hang", 150), ("lost_replies", 150), ("corrupt_kv", 150),
+    ("restart", 200), ("hang", 150), ("lost_replies", 150), ("corrupt_kv", 150),
     ("rogue_pickle", 100),
 ])
 def test_scenario_keeps_every_invariant(name, requests):
