@@ -324,7 +324,7 @@ class LoadBackOrchestrator(DaemonUpkeep):
         for its result, release what it locked) before anything else of this request."""
         self._owe(_Debt("settle_lookup", p.request_id, lambda t: (
             self.connector.settle_lookup(p.token_ids, p.request_id, t, cache_salt=p.cache_salt)),
-            p.epoch, max_tries=20, idempotent=True))
+            max_tries=20, idempotent=True))
         self._release_wake.set()
 
     def _before_retry(self, p: Prefix) -> None:
@@ -377,8 +377,7 @@ class LoadBackOrchestrator(DaemonUpkeep):
             self._live.pop(request_id, None)
         if had_session:
             self._control("end_session", request_id,
-                          lambda t: self.connector.end_session(request_id, t),
-                          p.epoch if p else self._registered_epoch, idempotent=True)
+                          lambda t: self.connector.end_session(request_id, t), idempotent=True)
 
     def reload(self, config: LoadBackConfig) -> None:
         """Swap policy values (deadlines, retries, breaker, break-even, heartbeat) in place.
@@ -450,7 +449,7 @@ class LoadBackOrchestrator(DaemonUpkeep):
     def _free_locks(self, p: Prefix, start: int, end: int) -> None:
         if end > start:
             self._control("free_locks", p.request_id, lambda t: self.connector.free_locks(
-                p.token_ids, p.request_id, start, end, t, cache_salt=p.cache_salt), p.epoch)
+                p.token_ids, p.request_id, start, end, t, cache_salt=p.cache_salt))
 
     def close(self) -> None:
         """Abort every live prefix, pay what the daemon is owed (bounded), unregister."""

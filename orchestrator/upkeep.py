@@ -27,12 +27,14 @@ class _Debt:
 
     `run(timeout_s)` returns False (or raises) while it cannot complete yet. Debts of one
     request are paid in order: a session is never ended before its locks are settled.
+    Debts outlive a daemon restart on purpose: every release derives from the daemon's own
+    session record, so on a daemon that never saw the request it is a no-op, and a request
+    that reached the new daemon before the restart was noticed is released there.
     """
 
     what: str
     request_id: str
     run: Callable[[float], bool | None]
-    epoch: int
     tries: int = 0
     max_tries: int = 20
     #: Repeat after any failure (True only for idempotent work). A release that may have
@@ -43,12 +45,11 @@ class _Debt:
 
 class DaemonUpkeep:
     def _control(self, op: str, request_id: str, run: Callable[[float], bool | None],
-                 epoch: int | None, *, idempotent: bool = False) -> None:
+                 *, idempotent: bool = False) -> None:
         """A release the daemon is owed. With background threads it is queued and paid by
         the releaser at once, off the request path (a hung daemon must not stretch match,
         load_back or finish); without them (tests, benchmarks) it runs inline."""
-        debt = _Debt(op, request_id, run, epoch if epoch is not None else -1,
-                     idempotent=idempotent)
+        debt = _Debt(op, request_id, run, idempotent=idempotent)
         if self._background:
             self._owe(debt)
             self._release_wake.set()
@@ -105,9 +106,6 @@ class DaemonUpkeep:
                 self._suspect = False
                 if self._registered_epoch is not None and epoch != self._registered_epoch:
                     self.metrics.reregistered()
-                    with self._lock:  # the old daemon's locks and sessions died with it
-                        self._debts = [d for d in self._debts if d.epoch == epoch]
-                        self._sessions.clear()
                 self._registered_epoch = epoch
             else:
                 self.connector.ping(control_s)
@@ -131,12 +129,9 @@ class DaemonUpkeep:
     def _pay_debts_locked(self, control_s: float) -> None:
         with self._lock:
             debts, self._debts = self._debts, []
-        epoch = self.connector.epoch
         keep: list[_Debt] = []
         blocked: set[str] = set()
         for d in debts:
-            if d.epoch not in (epoch, -1):
-                continue  # the daemon that was owed is gone, and its locks with it
             if d.request_id in blocked:
                 keep.append(d)
                 continue
