@@ -169,8 +169,9 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
             if time.monotonic() > deadline:
                 break
             # Paced from the previous request, never a burst to catch up after a stall.
-            if time.monotonic() < due:
-                time.sleep(due - time.monotonic())
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
             due = time.monotonic() + scn.request_interval_ms / 1000
             if fault.kind not in ("none", "absent_at_start") and i == begin:
                 _begin_fault(fault, daemon, proxy)
