@@ -173,7 +173,7 @@ def test_killed_daemon_mid_retrieve_degrades_in_time(h):
     assert time.monotonic() - t0 <= RETRIEVE_MS / 1000 + SLACK_S
     assert res.loaded_tokens == 0 and res.state == PrefixState.DEGRADED
     assert res.reason in (DegradeReason.RETRIEVE_ERROR, DegradeReason.RETRIEVE_TIMEOUT,
-                          DegradeReason.DAEMON_RESTARTED)
+                          DegradeReason.DAEMON_RESTARTED, DegradeReason.BREAKER_OPEN)
     assert same_kv(before, kv_of(h.pool, dst))
     t0 = time.monotonic()
     h.orch.finish("killed")  # must not hang on the dead daemon
@@ -187,8 +187,10 @@ def test_restart_between_match_and_load_back_degrades_then_hits_resume(h):
     h.daemon.restart()
     res = h.orch.load_back("restart", h.slots(128))
     assert res.loaded_tokens == 0
+    # Which one depends on what noticed the restart first: the reconnection (epoch), the
+    # retrieve itself, or heartbeat failures during the restart opening the breaker.
     assert res.reason in (DegradeReason.DAEMON_RESTARTED, DegradeReason.RETRIEVE_ERROR,
-                          DegradeReason.RETRIEVE_TIMEOUT)
+                          DegradeReason.RETRIEVE_TIMEOUT, DegradeReason.BREAKER_OPEN)
     h.orch.finish("restart")
     # Recovery without restart: re-registration by the heartbeat, then hits again.
     assert h.orch.wait_registered(5)
