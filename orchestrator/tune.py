@@ -191,12 +191,17 @@ def recommend(sizes: list[Size], chunk: int, prefill_tps: float):
     else:
         beats = [k * chunk for k in range(1, CAP_TOKENS // chunk + 1)
                  if a50 + b50 * k * chunk / 1024 < 1000 * k * chunk / prefill_tps]
-        min_tok = 0 if beats and beats[0] == chunk else (beats[0] if beats else CAP_TOKENS)
+        # When loading never wins, no floor is written: break_even.prefill_tokens_per_s makes
+        # the orchestrator skip loads by the bandwidth it measures live, and recovers by
+        # itself if the daemon gets faster; a huge floor would switch load-back off for good.
+        min_tok = 0 if not beats or beats[0] == chunk else beats[0]
         why = (f"p50 fit {fmt(a50, 3)} + {fmt(b50, 4)} ms/Ki vs prefill "
                f"{1e6 / prefill_tps:.1f} ms/Ki at {prefill_tps:g} tok/s: "
-               + ("loading wins from the first chunk" if min_tok == 0 else
+               + ("loading wins from the first chunk" if beats and min_tok == 0 else
                   f"loading wins from {min_tok} tokens" if beats else
-                  f"loading never wins below {CAP_TOKENS} tokens (check the prefill speed)"))
+                  f"WARNING loading never won up to {CAP_TOKENS} tokens here; no floor is set, "
+                  "the live break-even check (bandwidth learned per retrieve) decides; "
+                  "check the prefill speed and the daemon's transfer mode (shm is faster)"))
     fits = {"p99": (a99, b99), "p50": (a50, b50)}
     return fits, [
         ("deadlines.lookup_ms", _up(lp99 * LOOKUP_FACTOR + LOOKUP_MARGIN_MS),
