@@ -34,6 +34,9 @@ class Connector(Protocol):
     def register(self, timeout_s: float) -> object:
         """Called at start and after every restart by the heartbeat; idempotent."""
 
+    def unregister(self, timeout_s: float) -> None:
+        """close(): forget this worker's registration (best effort)."""
+
     def ping(self, timeout_s: float) -> bool:
         """Heartbeat and breaker probe; keeps the daemon from reaping this worker."""
 

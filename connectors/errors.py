@@ -9,6 +9,7 @@ Callers catch by meaning, never by message:
       ProtocolError                an answer that cannot be trusted: garbled frame,
                                    wrong op echo, payload of the wrong type/shape/dtype,
                                    or bytes that tried to run code
+        ShortRead                  fewer KV chunks than asked for
         RequestDropped             a later request was answered, this one never
       DaemonRejected               the daemon answered and said no
     SlotsError (ValueError)        the caller passed KV slots that do not fit the request
@@ -54,6 +55,10 @@ class VersionSkew(DaemonUnavailable):
 
 class ProtocolError(ConnectorError):
     """The daemon's answer is malformed or unsafe; it is discarded, never used."""
+
+
+class ShortRead(ProtocolError):
+    """The daemon sent fewer KV chunks than the range it was asked for."""
 
 
 class RequestDropped(ProtocolError):

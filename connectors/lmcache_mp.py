@@ -32,6 +32,7 @@ from .errors import (
     DaemonUnavailable,
     ProtocolError,
     RequestDropped,
+    ShortRead,
     SlotsError,
     VersionSkew,
 )
@@ -146,7 +147,6 @@ class LMCacheMPConnector:
         self.instance_id = instance_id if instance_id is not None else _new_instance_id()
         self.transport = transport or ZmqTransport(endpoint, connect_timeout_s=connect_timeout_s)
         self._shm: _ShmPool | None = None
-        self.registered_epoch: int | None = None
 
     @property
     def chunk_size(self) -> int:
@@ -210,7 +210,6 @@ class LMCacheMPConnector:
             dtype_str=self.layout.dtype_str, use_mla=False,
             num_physical_slots=self.chunk_size,
         )
-        epoch = self.transport.epoch
         # Registration and noop are both answered inline, in arrival order: a noop answer
         # without the registration's proves the daemon dropped it (another version).
         try:
@@ -237,7 +236,6 @@ class LMCacheMPConnector:
             if self._shm is not None:
                 self._shm.close()
             self._shm = _ShmPool(reply.shm_name, reply.pool_size)
-        self.registered_epoch = epoch
         return reply
 
     def unregister(self, timeout_s: float) -> None:
@@ -359,7 +357,7 @@ class LMCacheMPConnector:
                 expected_dtype=self.layout.dtype, max_items=n_chunks,
             )
         if len(chunks) != n_chunks:
-            raise ProtocolError(f"prepare_retrieve returned {len(chunks)} of {n_chunks} chunks")
+            raise ShortRead(f"prepare_retrieve returned {len(chunks)} of {n_chunks} chunks")
         scatter_skipping(self.layout, chunks, pool, slots, skip)
         del chunks
         ok = self._call("commit_retrieve", [key, self.instance_id],
@@ -372,7 +370,7 @@ class LMCacheMPConnector:
         if self._shm is None:
             raise DaemonUnavailable("shared-memory pool not mapped: register first")
         if len(context.slots) != n_chunks:
-            raise ProtocolError(f"daemon offered {len(context.slots)} of {n_chunks} chunks")
+            raise ShortRead(f"daemon offered {len(context.slots)} of {n_chunks} chunks")
         return [self._shm.view(s, self.layout) for s in context.slots]
 
     def store_from(

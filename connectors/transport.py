@@ -214,12 +214,6 @@ class ZmqTransport:
                     self._disconnected = False
             return self._epoch
 
-    @property
-    def connected(self) -> bool:
-        """Whether the sentinel currently holds a live connection (best effort)."""
-        _ = self.epoch
-        return self._connected_once and not self._disconnected
-
     def close(self) -> None:
         with self._lock:
             if self._closed:

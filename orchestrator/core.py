@@ -25,6 +25,7 @@ from connectors.errors import (
     DaemonTimeout,
     DaemonUnavailable,
     ProtocolError,
+    ShortRead,
     SlotsError,
 )
 from metrics import LoadbackMetrics
@@ -69,7 +70,6 @@ class Prefix:
     locked_from: int = 0          # chunks [locked_from, hit) still hold lookup read locks
     reason: DegradeReason | None = None
     attempts: int = 0
-    created: float = 0.0
 
     @property
     def promised_tokens(self) -> int:
@@ -149,7 +149,7 @@ class LoadBackOrchestrator(DaemonUpkeep):
             return 0
         start = self.clock()
         p = Prefix(request_id, tuple(token_ids), local_hit_tokens, cache_salt,
-                   epoch=self._registered_epoch, created=start)
+                   epoch=self._registered_epoch)
         with self._lock:
             self._sessions.add(request_id)
         hit, reason = self._lookup(p, self.config.deadlines.lookup_ms / 1000)
@@ -315,8 +315,10 @@ class LoadBackOrchestrator(DaemonUpkeep):
             if isinstance(exc, DaemonTimeout):
                 self.metrics.timeout("retrieve")
                 return 0, R.RETRIEVE_TIMEOUT
+            if isinstance(exc, ShortRead):
+                return 0, R.SHORT_READ
             if isinstance(exc, ProtocolError):
-                return 0, R.SHORT_READ if "chunks" in str(exc) else R.CORRUPT_DATA
+                return 0, R.CORRUPT_DATA
             return 0, R.RETRIEVE_ERROR
 
     def _owe_settle(self, p: Prefix) -> None:
@@ -470,8 +472,8 @@ class LoadBackOrchestrator(DaemonUpkeep):
         try:
             if self._registered_epoch is not None and self.breaker.allow():
                 self.connector.unregister(self.config.deadlines.control_ms / 1000)
-        except (ConnectorError, AttributeError):
-            pass
+        except ConnectorError:
+            pass  # the daemon reaps a silent worker by itself
         self.connector.close()
         for fn in self._on_close:
             fn()

@@ -53,7 +53,7 @@ def run(args) -> int:
         f"{k.split('{', 1)[1].rstrip('}')}={v:g}" for k, v in sorted(snap.items())
         if k.startswith("loadback_prefix_outcomes_total") and v))
     lk = result.extra
-    times = sorted(result_times(result))
+    times = result.extra.get("load_times", [])
     print(f"load_back latency p50 {median(times) * 1000:.1f} ms, p99 "
           f"{percentile(times, 99) * 1000:.1f} ms; every call's p99 {result.p99_return_s * 1000:.1f} ms")
     print("breaker transitions:", ", ".join(
@@ -72,6 +72,3 @@ def run(args) -> int:
             json.dump({"result": result.__dict__, "metrics": snap}, f, indent=2, default=str)
     return 0 if result.ok else 1
 
-
-def result_times(result) -> list[float]:
-    return result.extra.get("load_times", [])

@@ -56,19 +56,29 @@ class DaemonUpkeep:
             return
         with self._lock:
             queued = any(d.request_id == request_id for d in self._debts)
-        if not queued and self.breaker.allow():
-            try:
-                if run(self.config.deadlines.control_ms / 1000) is not False:
-                    return
-            except DaemonUnavailable:
-                self.breaker.record(False)
-            except ConnectorError as exc:
-                self.breaker.record(False)
-                if not idempotent:
-                    log.debug("%s for %s may have reached the daemon; not repeated: %s",
-                              op, request_id, exc)
-                    return
-        self._owe(debt)
+        if queued or not self.breaker.allow() or not self._attempt(
+                debt, self.config.deadlines.control_ms / 1000, on_failure=self.breaker.record):
+            self._owe(debt)
+
+    @staticmethod
+    def _attempt(d: _Debt, timeout_s: float, *, on_failure=None) -> bool:
+        """Run one debt; True when it is settled: done, or possibly applied and so never
+        to be sent again (unless idempotent). `on_failure(False)` hears each failure."""
+        try:
+            return d.run(timeout_s) is not False
+        except DaemonUnavailable:
+            pass  # nothing was sent
+        except ConnectorError as exc:
+            if on_failure:
+                on_failure(False)
+            if not d.idempotent:
+                log.debug("%s for %s may have reached the daemon; not repeated: %s",
+                          d.what, d.request_id, exc)
+                return True
+            return False
+        if on_failure:
+            on_failure(False)
+        return False
 
     def _owe(self, debt: _Debt) -> None:
         with self._lock:
@@ -90,13 +100,13 @@ class DaemonUpkeep:
         if late > self._late_seen:
             self.metrics.late_reply(late - self._late_seen)
             self._late_seen = late
+        epoch = self.connector.epoch
         if self.breaker.state == BreakerState.OPEN and not self.breaker.probe_due():
-            if self.connector.epoch == self._registered_epoch:
+            if epoch == self._registered_epoch:
                 return
             # A new daemon accepted our connection: probe it now, not after the cooldown.
             self.breaker.probe_now()
         control_s = self.config.deadlines.control_ms / 1000
-        epoch = self.connector.epoch
         must_register = (self._registered_epoch is None or epoch != self._registered_epoch
                          or self._suspect)
         try:
@@ -135,13 +145,7 @@ class DaemonUpkeep:
             if d.request_id in blocked:
                 keep.append(d)
                 continue
-            try:
-                done = d.run(control_s) is not False
-            except DaemonUnavailable:
-                done = False
-            except ConnectorError:
-                done = not d.idempotent  # may have been applied: never sent twice
-            if not done:
+            if not self._attempt(d, control_s):
                 d.tries += 1
                 if d.tries < d.max_tries:
                     keep.append(d)
