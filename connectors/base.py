@@ -9,11 +9,31 @@ block longer, never retry, never count metrics.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from .kv_layout import KVLayout
+
+
+@dataclass
+class Retrieved:
+    """What `retrieve_into` landed, and what the daemon is still owed for it.
+
+    Returned only when every promised byte is in the slots (or will be once `ready` has
+    completed): the load has landed whatever happens to the daemon afterwards.
+    """
+
+    #: Bytes written into the engine's KV slots.
+    nbytes: int
+    #: commit_retrieve, unsent: the caller pays it off the request path (an owed release
+    #: tied to the connection epoch), after `ready` has completed, so the daemon's buffer
+    #: is released only once the copy has finished reading it. None: nothing is owed.
+    commit: Callable[[float], object] | None = None
+    #: A completion handle (a torch.cuda.Event) that the engine's stream waits on before it
+    #: reads the slots; None when the copy had finished before retrieve_into returned.
+    ready: object | None = None
 
 
 class Connector(Protocol):
@@ -56,10 +76,12 @@ class Connector(Protocol):
 
     def retrieve_into(self, token_ids: Sequence[int], request_id: str, pool, slots: torch.Tensor,
                       *, start: int, end: int, timeout_s: float, skip: int = 0,
-                      cache_salt: str = "") -> int:
+                      cache_salt: str = "") -> Retrieved:
         """load_back(): copy tokens [start + skip, end) into `slots` (len end-start-skip).
-        All or nothing: nothing is written unless every chunk arrived and checked out.
-        Returns bytes written."""
+        All or nothing: nothing is written unless every chunk arrived and checked out; a
+        raise means the slots hold nothing of this load. The commit is returned unsent
+        (`Retrieved.commit`); a ConnectorError raised after prepare_retrieve was answered
+        carries the daemon's owed release in `exc.owed` the same way."""
 
     def store_from(self, token_ids: Sequence[int], request_id: str, pool, slots: torch.Tensor,
                    *, timeout_s: float, cache_salt: str = "") -> bool:
@@ -67,5 +89,11 @@ class Connector(Protocol):
 
     def end_session(self, request_id: str, timeout_s: float) -> None:
         """finish()/abort(): drop the daemon's session for `request_id`."""
+
+    def unanswered(self, request_id: str | None = None) -> int:
+        """Calls for `request_id` (None: for any request) that were sent to the current
+        daemon, never answered, and that the daemon may still process (a served
+        prepare_retrieve or lookup re-creates the request's session). 0 once the daemon is
+        proven to have answered or dropped them, or the daemon changed (epoch)."""
 
     def close(self) -> None: ...

@@ -23,6 +23,10 @@ class ConnectorError(Exception):
 
     #: Whether repeating the same call can succeed (used by retry policies).
     retry_safe: bool = False
+    #: A release the daemon is owed because of this failure (e.g. commit_retrieve after a
+    #: prepare_retrieve whose data was refused), as `fn(timeout_s)`; the caller pays it off
+    #: the request path. None: nothing owed.
+    owed = None
 
 
 class DaemonTimeout(ConnectorError):

@@ -62,13 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=800)
     p.add_argument("--interval-ms", type=float, default=50.0, help="time between requests")
     p.add_argument("--json", metavar="FILE")
-    p.set_defaults(fn=lambda a: __import__("orchestrator.demo", fromlist=["run"]).run(a))
+    p.set_defaults(fn=lambda a: __import__("orchestrator.tools.demo", fromlist=["run"]).run(a))
 
     p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator)")
     p.add_argument("suite", choices=["client", "core"])
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--samples", type=int, default=0, help="samples per point (0 = default)")
-    p.set_defaults(fn=lambda a: __import__(f"orchestrator.bench.{a.suite}",
+    p.set_defaults(fn=lambda a: __import__(f"orchestrator.tools.bench.{a.suite}",
                                            fromlist=["run"]).run(a))
 
     p = sub.add_parser("chaos", help="break the daemon on purpose and check the invariants")
@@ -77,14 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     cr.add_argument("--scenario", default="all")
     cr.add_argument("--requests", type=int, default=0, help="requests per scenario (0 = its own)")
     cr.add_argument("--json", metavar="FILE")
-    cr.set_defaults(fn=lambda a: __import__("orchestrator.chaos", fromlist=["run"]).run(a))
+    cr.set_defaults(fn=lambda a: __import__("orchestrator.tools.chaos", fromlist=["run"]).run(a))
 
     p = sub.add_parser("tune", help="measure a running daemon and recommend a config")
     p.add_argument("--daemon", required=True, metavar="HOST:PORT")
     p.add_argument("--out", default="loadback-tuned.yaml")
     p.add_argument("--prefill-tokens-per-s", type=float, default=10000.0)
     p.add_argument("--requests", type=int, default=20, help="per prefix size")
-    p.set_defaults(fn=lambda a: __import__("orchestrator.tune", fromlist=["run"]).run(a))
+    p.set_defaults(fn=lambda a: __import__("orchestrator.tools.tune", fromlist=["run"]).run(a))
 
     args = parser.parse_args(argv)
     return int(args.fn(args) or 0)

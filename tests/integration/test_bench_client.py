@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from orchestrator.bench import client
+from orchestrator.tools.bench import client
 
 pytestmark = [pytest.mark.daemon]
 

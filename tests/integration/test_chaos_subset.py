@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.chaos import load_scenarios, run_scenario
+from orchestrator.tools.chaos import load_scenarios, run_scenario
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(300)]
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from connectors.daemon import DaemonProcess, free_port
-from orchestrator import tune
+from orchestrator.tools import tune
 from orchestrator.config import LoadBackConfig
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(240)]

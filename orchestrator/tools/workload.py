@@ -18,8 +18,8 @@ import torch
 from connectors.kv_layout import KVLayout
 from connectors.lmcache_mp import KVPool
 
-from .core import LoadBackOrchestrator
-from .states import PrefixState
+from ..core import LoadBackOrchestrator
+from ..states import PrefixState
 
 
 class SlotAllocator:

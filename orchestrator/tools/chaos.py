@@ -28,11 +28,11 @@ from connectors.kv_layout import KVLayout
 from connectors.lmcache_mp import KVPool, LMCacheMPConnector
 
 from .bench.common import percentile
-from .config import LoadBackConfig
-from .core import LoadBackOrchestrator
+from ..config import LoadBackConfig
+from ..core import LoadBackOrchestrator
 from .workload import Engine, SlotAllocator, Workload
 
-SCENARIO_DIR = Path(__file__).resolve().parent.parent / "configs" / "chaos"
+SCENARIO_DIR = Path(__file__).resolve().parents[2] / "configs" / "chaos"
 LAYOUT = KVLayout(num_layers=2, num_heads=4, head_dim=16, dtype=torch.float16, chunk_size=16)
 
 

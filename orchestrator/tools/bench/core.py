@@ -20,7 +20,7 @@ import zmq
 from connectors.daemon import DaemonProcess
 from connectors.kv_layout import KVLayout
 from connectors.lmcache_mp import KVPool, LMCacheMPConnector
-from orchestrator.bench.common import fmt, median, percentile, print_table, write_json
+from orchestrator.tools.bench.common import fmt, median, percentile, print_table, write_json
 from orchestrator.config import LoadBackConfig
 from orchestrator.core import LoadBackOrchestrator
 

@@ -35,7 +35,7 @@ from connectors.lmcache_mp import KVPool, LMCacheMPConnector
 from connectors.wire import PROTOCOL_VERSION
 
 from .bench.common import fmt, median, percentile, print_table
-from .config import ConfigError, LoadBackConfig
+from ..config import ConfigError, LoadBackConfig
 
 LAYERS, HEADS, HEAD_DIM, DTYPE = 4, 8, 128, torch.float16
 SIZES_CHUNKS = (1, 4, 16, 64)

@@ -14,8 +14,8 @@ from metrics import LoadbackMetrics, start_metrics_server
 
 from .bench.common import median, percentile
 from .chaos import Fault, Scenario, _progress, print_results, run_scenario
-from .core import OPS
-from .states import DegradeReason, PrefixState, transition_pairs
+from ..core import OPS
+from ..states import DegradeReason, PrefixState, transition_pairs
 
 
 def run(args) -> int:
