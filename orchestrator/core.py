@@ -31,6 +31,7 @@ from connectors.errors import (
 from metrics import LoadbackMetrics
 
 from .config import ConfigError, LoadBackConfig
+from .instruments import product_metrics
 from .policies import (
     BreakEvenGuard,
     CircuitBreaker,
@@ -38,6 +39,7 @@ from .policies import (
     monotonic,
     run_with_retries,
 )
+from .results import LoadResult, MatchResult
 from .states import DegradeReason, PrefixState, fire, transition_pairs
 from .tp import TPAgreement
 from .upkeep import DaemonUpkeep, _Debt
@@ -45,15 +47,6 @@ from .upkeep import DaemonUpkeep, _Debt
 log = logging.getLogger("loadback")
 R = DegradeReason
 S = PrefixState
-OPS = ("lookup", "retrieve", "store", "free_locks", "end_session", "ping", "register")
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    loaded_tokens: int
-    state: PrefixState | None
-    reason: DegradeReason | None = None
-    elapsed_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -92,10 +85,7 @@ class LoadBackOrchestrator(DaemonUpkeep):
         self.connector = connector
         self.kv_pool = kv_pool
         self.clock = clock
-        self.metrics = metrics or LoadbackMetrics(
-            states=[s.value for s in PrefixState], reasons=[r.value for r in DegradeReason],
-            ops=OPS, transitions=transition_pairs(),
-        )
+        self.metrics = metrics or product_metrics()
         self.tp = TPAgreement(tp_group)
         self.breaker = CircuitBreaker(config.breaker, clock=clock, on_change=self.metrics.breaker)
         self.break_even = BreakEvenGuard(config.break_even, connector.layout.bytes_per_token)
@@ -129,24 +119,26 @@ class LoadBackOrchestrator(DaemonUpkeep):
     # ------------------------------------------------------------------ match
 
     def match(self, request_id: str, token_ids: Sequence[int], *, local_hit_tokens: int = 0,
-              cache_salt: str = "") -> int:
-        """Tokens the engine may load beyond its local hit (0 = recompute). Bounded by
-        deadlines.lookup_ms; repeated calls for a live request answer from the marker."""
+              cache_salt: str = "") -> MatchResult:
+        """How many tokens the engine may load beyond its local hit (`.tokens`, 0 =
+        recompute). Bounded by deadlines.lookup_ms; repeated calls for a live request
+        answer from the marker."""
         with self._lock:
             p = self._live.get(request_id)
             if p is not None:
-                return p.promised_tokens if p.state == S.MARKED.value else 0
+                return self._match_result(p)
         chunk = self.connector.chunk_size
         aligned = len(token_ids) // chunk * chunk
         if aligned - local_hit_tokens < max(1, self.config.break_even.min_tokens):
-            return 0  # the daemon cannot add enough to matter: do not even ask
+            return MatchResult()  # the daemon cannot add enough to matter: do not even ask
         if not self.breaker.allow() or not self._registered():
-            if not self.breaker.allow() and self.connector.epoch != self._registered_epoch:
+            open_ = not self.breaker.allow()
+            if open_ and self.connector.epoch != self._registered_epoch:
                 self._wake.set()  # a new daemon is there: let the heartbeat probe it now
             # Other TP ranks may be asking: join the decision with a "cannot" (-1).
             self.tp.min(-1)
             self.metrics.observe_lookup(None, "skipped")
-            return 0
+            return MatchResult(reason=R.BREAKER_OPEN if open_ else None)
         start = self.clock()
         p = Prefix(request_id, tuple(token_ids), local_hit_tokens, cache_salt,
                    epoch=self._registered_epoch)
@@ -163,7 +155,8 @@ class LoadBackOrchestrator(DaemonUpkeep):
             if agreed < 0:
                 self._enter(p)
                 self._finish_degraded(p, reason or R.TP_PEER_FAILED, locks=False)
-            return 0  # a clean miss leaves no machine
+                return self._match_result(p)
+            return MatchResult()  # a clean miss leaves no machine
         p.hit_tokens = agreed
         self._enter(p)
         self._fire(p, "hit")
@@ -173,13 +166,18 @@ class LoadBackOrchestrator(DaemonUpkeep):
         worth = self.tp.min(int(self.break_even.worth_loading(p.promised_tokens)))
         if not worth:
             self._finish_degraded(p, R.BELOW_BREAK_EVEN, locks=True)
-            return 0
+            return self._match_result(p)
         # Chunks the engine already has are not retrieved: release their locks now.
         p.locked_from = local_hit_tokens // chunk * chunk
         if p.locked_from:
             self._free_locks(p, 0, p.locked_from)
         self._fire(p, "mark")
-        return p.promised_tokens
+        return self._match_result(p)
+
+    @staticmethod
+    def _match_result(p: Prefix) -> MatchResult:
+        marked = p.state == S.MARKED.value
+        return MatchResult(p.promised_tokens if marked else 0, PrefixState(p.state), p.reason)
 
     def _lookup(self, p: Prefix, budget_s: float) -> tuple[int, DegradeReason | None]:
         deadline = self.clock() + budget_s

@@ -150,7 +150,8 @@ class Engine:
             if local:
                 write_kv(self.pool, self.layout, prefix_kv(self.layout, prompt, 0, local), local_slots)
             t0 = time.perf_counter()
-            n = orch.match(rid, prompt, local_hit_tokens=local)
+            m = orch.match(rid, prompt, local_hit_tokens=local)
+            n = m.tokens
             took = time.perf_counter() - t0
             t.return_times.append(took)
             if took > orch.config.deadlines.lookup_ms / 1000 + self.slack:
@@ -182,8 +183,8 @@ class Engine:
                     reason = res.reason.value if res.reason else "unknown"
                     t.degraded[reason] = t.degraded.get(reason, 0) + 1
                     t.recomputed_tokens += n
-            elif orch.state_of(rid) == PrefixState.DEGRADED:
-                reason = orch._live[rid].reason.value
+            elif m.state == PrefixState.DEGRADED:
+                reason = m.reason.value
                 t.degraded[reason] = t.degraded.get(reason, 0) + 1
             # Recompute whatever did not load, into fresh slots (the engine's prefill).
             start = local + loaded

@@ -25,7 +25,7 @@ def test_ip_mode_from_yaml_loads_byte_exact(tmp_path):
         toks = list(range(5000, 5096))
         assert orch.store("s", toks, torch.arange(96))
         orch.finish("s")
-        assert orch.match("r", toks) == 96
+        assert orch.match("r", toks).tokens == 96
         dst = torch.arange(200, 296)
         res = orch.load_back("r", dst)
         assert res.state == PrefixState.LOADED and res.loaded_tokens == 96

@@ -45,32 +45,32 @@ def test_counters_equal_outcomes_exactly(layout):
             orch.finish(f"s{i}")
         # 3 hits that load
         for i in range(3):
-            n = orch.match(f"hit{i}", prompts[i])
+            n = orch.match(f"hit{i}", prompts[i]).tokens
             note(orch.load_back(f"hit{i}", torch.arange(next(nxt), next(nxt) + n)[:n]), n)
             orch.finish(f"hit{i}")
         # 2 misses: no machine, no outcome
         for i in range(2):
-            assert orch.match(f"miss{i}", list(range(90000 + i * 100, 90000 + i * 100 + 64))) == 0
+            assert orch.match(f"miss{i}", list(range(90000 + i * 100, 90000 + i * 100 + 64))).tokens == 0
             orch.finish(f"miss{i}")
         # a lost LOOKUP reply: degraded lookup_timeout at match time
         rule = proxy.add_rule(FaultRule("drop", op="lookup", direction="reply", count=1))
-        assert orch.match("lost", prompts[3]) == 0
+        assert orch.match("lost", prompts[3]).tokens == 0
         assert proxy.fired(rule) == 1
         seen["degraded"]["lookup_timeout"] = 1
         orch.finish("lost")
         # a corrupt KV reply on every attempt: degraded at load_back, slots untouched
         proxy.add_rule(FaultRule("truncate_kv", op="prepare_retrieve", count=3))
-        n = orch.match("corrupt", prompts[0])
+        n = orch.match("corrupt", prompts[0]).tokens
         note(orch.load_back("corrupt", torch.arange(3000, 3000 + n)), n)
         orch.finish("corrupt")
         proxy.clear()
         # promised then aborted
-        n = orch.match("aborted", prompts[1])
+        n = orch.match("aborted", prompts[1]).tokens
         seen["promised"] += n
         orch.abort("aborted")
         seen["degraded"]["aborted"] = seen["degraded"].get("aborted", 0) + 1
         # wrong slot count: a clear error, and the prefix is settled as bad_slots
-        n = orch.match("bad", prompts[2])
+        n = orch.match("bad", prompts[2]).tokens
         seen["promised"] += n
         with pytest.raises(SlotsError):
             orch.load_back("bad", torch.arange(5))

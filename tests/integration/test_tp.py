@@ -53,19 +53,20 @@ def _rank_main(rank: int, world: int, dist_port: int, endpoints: list[str], pids
             rid = f"{name}-{rank}"
             if pause_at == "match" and rank == 1:
                 os.kill(pids[1], signal.SIGSTOP)
-            got = orch.match(rid, toks)
+            m = orch.match(rid, toks)
+            got = m.tokens
             if pause_at == "load" and rank == 1:
                 os.kill(pids[1], signal.SIGSTOP)
             dst = torch.arange(256, 256 + max(got, 1))[:got]
             res = orch.load_back(rid, dst) if got else None
             if rank == 1:
                 os.kill(pids[1], signal.SIGCONT)
-            p = orch._live.get(rid)
+            final = res if res else m
             results[name] = {
                 "match": got,
                 "loaded": res.loaded_tokens if res else 0,
-                "state": p.state if p else None,
-                "reason": p.reason.value if p and p.reason else None,
+                "state": final.state.value if final.state else None,
+                "reason": final.reason.value if final.reason else None,
                 "exact": bool(res and res.loaded_tokens == 128
                               and same_kv(kv_of(pool, src), kv_of(pool, dst))),
             }

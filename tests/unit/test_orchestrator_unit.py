@@ -11,7 +11,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from connectors.errors import DaemonTimeout, DaemonUnavailable, ProtocolError
 from connectors.kv_layout import KVLayout
 from connectors.memory import InMemoryConnector
-from orchestrator import DegradeReason, LoadBackConfig, LoadBackOrchestrator, PrefixState
+from orchestrator import (
+    DegradeReason,
+    LoadBackConfig,
+    LoadBackOrchestrator,
+    MatchResult,
+    PrefixState,
+)
 from orchestrator.policies import BreakerState, CircuitBreaker
 from orchestrator.states import (
     MACHINE,
@@ -94,7 +100,7 @@ def test_hit_loads_byte_exact_and_metrics_reconcile():
     orch, conn, pool, _ = make()
     toks = list(range(100, 100 + 64))
     store(orch, toks, torch.arange(0, 64))
-    assert orch.match("r", toks) == 64
+    assert orch.match("r", toks).tokens == 64
     dst = torch.arange(500, 564)
     res = orch.load_back("r", dst)
     assert res.loaded_tokens == 64 and res.state == PrefixState.LOADED
@@ -109,8 +115,8 @@ def test_repeated_match_answers_from_the_marker_without_a_second_lookup():
     orch, conn, _, _ = make()
     toks = list(range(64))
     store(orch, toks, torch.arange(64))
-    assert orch.match("r", toks) == 64
-    assert orch.match("r", toks) == 64
+    assert orch.match("r", toks).tokens == 64
+    assert orch.match("r", toks).tokens == 64
     assert conn.calls["lookup"] == 1
 
 
@@ -119,9 +125,9 @@ def test_lookup_timeout_degrades_with_reason_and_owes_the_release():
     toks = list(range(64))
     store(orch, toks, torch.arange(64))
     conn.fail_next["lookup"].append(DaemonTimeout("lookup", 0.05))
-    assert orch.match("r", toks) == 0
+    assert orch.match("r", toks) == MatchResult(0, PrefixState.DEGRADED,
+                                                DegradeReason.LOOKUP_TIMEOUT)
     assert orch.state_of("r") == PrefixState.DEGRADED
-    assert orch._live["r"].reason == DegradeReason.LOOKUP_TIMEOUT
     assert orch.pending_debts() == 1
     orch.tick()
     assert orch.pending_debts() == 0
@@ -132,7 +138,7 @@ def test_unavailable_lookup_is_retried_inside_the_deadline():
     toks = list(range(64))
     store(orch, toks, torch.arange(64))
     conn.fail_next["lookup"].append(DaemonUnavailable("down"))
-    assert orch.match("r", toks) == 64
+    assert orch.match("r", toks).tokens == 64
     assert conn.calls["lookup"] == 2
     assert snap(orch, 'loadback_retries_total{op=lookup}') == 1
 
@@ -141,7 +147,7 @@ def test_retrieve_retry_looks_up_again_first_and_loads():
     orch, conn, pool, _ = make()
     toks = list(range(64))
     store(orch, toks, torch.arange(64))
-    assert orch.match("r", toks) == 64
+    assert orch.match("r", toks).tokens == 64
     conn.fail_next["retrieve"].append(DaemonTimeout("prep", 0.1))
     res = orch.load_back("r", torch.arange(900, 964))
     assert res.loaded_tokens == 64
@@ -154,7 +160,7 @@ def test_corrupt_reply_on_every_attempt_degrades_and_leaves_slots_untouched():
     orch, conn, pool, _ = make(retries={"max_attempts": 2})
     toks = list(range(64))
     store(orch, toks, torch.arange(64))
-    assert orch.match("r", toks) == 64
+    assert orch.match("r", toks).tokens == 64
     for _ in range(2):
         conn.fail_next["retrieve"].append(ProtocolError("garbled"))
     dst = torch.arange(900, 964)
@@ -169,7 +175,7 @@ def test_break_even_floor_skips_small_loads():
     orch, conn, _, _ = make(break_even={"min_tokens": 128})
     toks = list(range(64))
     store(orch, toks, torch.arange(64))
-    assert orch.match("r", toks) == 0
+    assert orch.match("r", toks).tokens == 0
     assert conn.calls["lookup"] == 0
 
 
@@ -178,8 +184,8 @@ def test_break_even_time_test_degrades_when_recompute_is_faster():
     orch, conn, _, _ = make(break_even={"prefill_tokens_per_s": 1e9})
     toks = list(range(64))
     store(orch, toks, torch.arange(64))
-    assert orch.match("r", toks) == 0
-    assert orch._live["r"].reason == DegradeReason.BELOW_BREAK_EVEN
+    assert orch.match("r", toks) == MatchResult(0, PrefixState.DEGRADED,
+                                                DegradeReason.BELOW_BREAK_EVEN)
     orch.finish("r")
     assert conn.held_locks() == 0
 
@@ -194,11 +200,11 @@ def test_breaker_opens_answers_without_the_socket_and_recovers_by_probe():
     orch.match("b", toks)
     assert orch.breaker.state == BreakerState.OPEN
     calls = conn.calls["lookup"]
-    assert orch.match("c", toks) == 0 and conn.calls["lookup"] == calls
+    assert orch.match("c", toks).tokens == 0 and conn.calls["lookup"] == calls
     clock.t += 0.2
     orch.tick()  # half-open probe (ping) succeeds -> closed
     assert orch.breaker.state == BreakerState.CLOSED
-    assert orch.match("d", toks) == 64
+    assert orch.match("d", toks).tokens == 64
 
 
 def test_breaker_cooldown_doubles_to_its_cap():
@@ -220,7 +226,7 @@ def test_abort_releases_locks_and_session():
     orch, conn, _, _ = make()
     toks = list(range(64))
     store(orch, toks, torch.arange(64))
-    assert orch.match("r", toks) == 64
+    assert orch.match("r", toks).tokens == 64
     assert conn.held_locks() == 4
     orch.abort("r")
     assert conn.held_locks() == 0 and "r" not in conn.sessions
@@ -237,6 +243,7 @@ class PrefixLifecycle(RuleBasedStateMachine):
         self.toks = {i: list(range(i * 1000, i * 1000 + 48)) for i in range(3)}
         for i, t in self.toks.items():
             store(self.orch, t, torch.arange(i * 48, i * 48 + 48), rid=f"s{i}")
+        self.promised: dict[str, int] = {}  # request -> tokens match promised (live ones)
         self.terminal: dict[str, str] = {}
         self.n = 0
 
@@ -248,36 +255,40 @@ class PrefixLifecycle(RuleBasedStateMachine):
         if fail:
             self.conn.fail_next[fail].append(
                 DaemonTimeout(fail, 0.01))
-        self.orch.match(rid, toks)
+        got = self.orch.match(rid, toks)
+        assert got.state == self.orch.state_of(rid)
+        if got.state is not None:
+            self.promised[rid] = got.tokens
 
     @rule(data=st.data())
     def load_back(self, data):
-        live = [r for r, p in self.orch._live.items() if p.state == "marked"]
+        live = [r for r in self.promised if self.orch.state_of(r) == PrefixState.MARKED]
         if live:
             rid = data.draw(st.sampled_from(live))
-            n = self.orch._live[rid].promised_tokens
-            self.orch.load_back(rid, torch.arange(1000, 1000 + n))
+            n = self.promised[rid]
+            res = self.orch.load_back(rid, torch.arange(1000, 1000 + n))
+            assert res.loaded_tokens in (0, n) and res.state.terminal
 
     @rule(data=st.data(), how=st.sampled_from(["finish", "abort"]))
     def release(self, data, how):
-        if self.orch._live:
-            rid = data.draw(st.sampled_from(sorted(self.orch._live)))
-            p = self.orch._live[rid]
+        if self.promised:
+            rid = data.draw(st.sampled_from(sorted(self.promised)))
+            del self.promised[rid]
             getattr(self.orch, how)(rid)
-            assert p.state in ("loaded", "degraded")
+            assert self.orch.state_of(rid) is None
             assert rid not in self.terminal
-            self.terminal[rid] = p.state
+            self.terminal[rid] = how
 
     @precondition(lambda self: True)
     @invariant()
     def outcomes_reconcile(self):
         s = self.orch.metrics.snapshot()
         settled = sum(v for k, v in s.items() if k.startswith("loadback_prefix_outcomes_total"))
-        live_terminal = sum(1 for p in self.orch._live.values() if p.state in ("loaded", "degraded"))
+        live_terminal = sum(1 for r in self.promised if self.orch.state_of(r).terminal)
         assert settled == len(self.terminal) + live_terminal
 
     def teardown(self):
-        for rid in list(self.orch._live):
+        for rid in list(self.promised):
             self.orch.finish(rid)
         self.clock.t += 120  # past any breaker cooldown: the probe closes it, debts are paid
         self.orch.tick()
@@ -294,7 +305,7 @@ def test_failed_relookup_settles_that_lookup_and_stops_retrying():
     orch, conn, _, _ = make(retries={"max_attempts": 3})
     toks = list(range(64))
     store(orch, toks, torch.arange(64))
-    assert orch.match("r", toks) == 64
+    assert orch.match("r", toks).tokens == 64
     conn.fail_next["retrieve"].append(DaemonTimeout("prep", 0.1))
     conn.fail_next["lookup"].append(DaemonTimeout("lookup", 0.1))  # the re-lookup's answer is lost
     res = orch.load_back("r", torch.arange(900, 964))

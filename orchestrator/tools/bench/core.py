@@ -108,7 +108,7 @@ def _orch(connector, **over) -> LoadBackOrchestrator:
 
 def _lifecycle(o: LoadBackOrchestrator, rid: str, toks, slots) -> float:
     t0 = time.perf_counter()
-    n = o.match(rid, toks)
+    n = o.match(rid, toks).tokens
     o.load_back(rid, slots[:n])
     o.finish(rid)
     return time.perf_counter() - t0
@@ -179,7 +179,7 @@ def p3(samples: int) -> dict:
         orch.finish("seed")
         marked = [f"m{i}" for i in range(samples)]
         for rid in marked:
-            if orch.match(rid, toks) != 256:
+            if orch.match(rid, toks).tokens != 256:
                 raise RuntimeError("expected a hit before the daemon hangs")
         d.pause()
         m_times, l_times = [], []
