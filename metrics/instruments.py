@@ -168,9 +168,6 @@ class LoadbackMetrics:
         g_live = Gauge("loadback_live_prefixes", "Prefixes currently in each state.", ["state"],
                        registry=reg, multiprocess_mode="livesum")
         self._live = {s: g_live.labels(state=s) for s in self.states}
-        self.quarantined_slots = Gauge("loadback_quarantined_slots",
-                                       "KV slots held back because a daemon may still write to them.",
-                                       registry=reg, multiprocess_mode="livesum")
         self.reregistrations = Counter("loadback_reregistrations_total",
                                        "Registrations repeated after the daemon lost its state.", registry=reg)
         self.late_replies = Counter("loadback_late_replies_total",
@@ -274,9 +271,6 @@ class LoadbackMetrics:
         except KeyError:
             child = _lookup(self._live, state, "state", _label)
         child.inc(delta)
-
-    def set_quarantined(self, n: int) -> None:
-        self.quarantined_slots.set(n)
 
     def reregistered(self) -> None:
         self.reregistrations.inc()

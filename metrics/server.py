@@ -1,18 +1,18 @@
-"""The /metrics exposition server.
+"""The /metrics exposition server: prometheus_client's own, with a clear bind error.
 
 Who calls what: the `loadback` CLI / the SGLang hook call `start_metrics_server(port=...)`
 (or `LoadbackMetrics.serve()`) once per process; Prometheus scrapes `/metrics`; tests call
-`.close()`. The server runs prometheus_client's WSGI app in a daemon thread.
+`.close()`. `prometheus_client.start_http_server` runs the server in a daemon thread; this
+module only picks the registry, turns a failed bind into an error naming host, port and
+fix, and stops the server.
 """
 from __future__ import annotations
 
 import errno
 import socket
 import threading
-from wsgiref.simple_server import make_server
 
-from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app, multiprocess
-from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
+from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_http_server
 
 from metrics.instruments import multiprocess_enabled
 
@@ -72,30 +72,18 @@ def start_metrics_server(host: str = "127.0.0.1", port: int = 0, registry=None) 
     registry: a CollectorRegistry or a LoadbackMetrics; None serves the MultiProcessCollector
     view in multiprocess mode, else prometheus_client's global REGISTRY. port=0 picks a free
     port (read `.port`). The default host is loopback: exposing metrics is an operator's choice.
+    Raises MetricsServerBindError (an OSError) naming host:port and the fix.
     """
     reg = _resolve_registry(registry)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        httpd, thread = start_http_server(port, addr=host, registry=reg)
     except socket.gaierror as e:
         raise MetricsServerBindError(
             errno.EADDRNOTAVAIL, f"metrics server cannot resolve host {host!r} ({e}); "
             "use an address of this machine such as 127.0.0.1") from e
-    family, addr = infos[0][0], infos[0][4][0]
-
-    class _Server(ThreadingWSGIServer):
-        address_family = family
-
-    try:
-        httpd = make_server(addr, port, make_wsgi_app(reg), _Server, handler_class=_SilentHandler)
     except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            why = "address already in use"
-        else:
-            why = e.strerror or str(e)
+        why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
         raise MetricsServerBindError(
             e.errno, f"metrics server cannot bind {host}:{port}: {why}; "
             "pick another port, or 0 for a free one") from e
-    thread = threading.Thread(target=httpd.serve_forever, name=f"metrics-{httpd.server_address[1]}",
-                              daemon=True)
-    thread.start()
     return MetricsServer(httpd, thread, host, reg)

@@ -1,9 +1,10 @@
-"""Find (or install) and run the real Prometheus server and promtool for tests.
+"""Find and run the real Prometheus server and promtool for tests.
 
-Who calls what: tests/integration/test_prometheus.py calls `ensure_prometheus()` (installs
-Debian's `prometheus` package when the binaries are missing; CI machines start clean) and
+Who calls what: tests/integration/test_prometheus.py calls `find_prometheus()` and
 `PrometheusServer(...)` as a context manager, then `query()` / `wait_for()`; the server is
-stopped by the PID this module started, never by name.
+stopped by the PID this module started, never by name. Installing the binaries is the test
+command's set-up (`make test` installs Debian's `prometheus` package when they are missing),
+never a test's side effect.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,20 +22,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["PrometheusTools", "PrometheusUnavailable", "ensure_prometheus", "free_port",
-           "PrometheusServer"]
+from connectors.daemon import free_port
+
+__all__ = ["PrometheusTools", "PrometheusUnavailable", "find_prometheus", "PrometheusServer",
+           "INSTALL_HINT"]
+
+INSTALL_HINT = ("run the tests through `make test` (it installs them), or install them: "
+                "apt-get update && apt-get install -y --no-install-recommends prometheus")
 
 
 class PrometheusUnavailable(RuntimeError):
-    """prometheus/promtool are missing and could not be installed (the reason is the message)."""
+    """prometheus/promtool are not installed (the message says how to install them)."""
 
 
 @dataclass(frozen=True)
 class PrometheusTools:
     prometheus: str
     promtool: str
-    installed_now: bool = False
-    install_seconds: float = 0.0
 
 
 def _which() -> tuple[str | None, str | None]:
@@ -44,41 +47,13 @@ def _which() -> tuple[str | None, str | None]:
     return shutil.which("prometheus", path=path), shutil.which("promtool", path=path)
 
 
-def ensure_prometheus(install_timeout_s: float = 150.0) -> PrometheusTools:
-    """Return the binaries, installing Debian's `prometheus` package with apt-get if needed."""
+def find_prometheus() -> PrometheusTools:
+    """Return the installed binaries, or raise PrometheusUnavailable naming the fix."""
     prom, tool = _which()
     if prom and tool:
         return PrometheusTools(prom, tool)
-    if shutil.which("apt-get") is None:
-        raise PrometheusUnavailable("prometheus/promtool not on PATH and apt-get is not available")
-    if os.geteuid() != 0:
-        raise PrometheusUnavailable("prometheus/promtool not on PATH and not root to apt-get install them")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    # Wait for a dpkg lock held by a concurrent apt run instead of failing at once.
-    lock = ["-o", "DPkg::Lock::Timeout=60"]
-    t0 = time.monotonic()
-    steps = [["apt-get", *lock, "update", "-qq"],
-             # no recommends: node-exporter & co. are not needed and double the download.
-             ["apt-get", *lock, "install", "-y", "-qq", "--no-install-recommends", "prometheus"]]
-    for cmd in steps:
-        left = install_timeout_s - (time.monotonic() - t0)
-        try:
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(left, 1))
-        except subprocess.TimeoutExpired:
-            raise PrometheusUnavailable(f"`{' '.join(cmd)}` did not finish within {install_timeout_s:.0f}s")
-        if r.returncode != 0:
-            raise PrometheusUnavailable(
-                f"`{' '.join(cmd)}` failed (rc={r.returncode}): {(r.stderr or r.stdout).strip()[-800:]}")
-    prom, tool = _which()
-    if not (prom and tool):
-        raise PrometheusUnavailable("apt-get installed `prometheus` but prometheus/promtool are not on PATH")
-    return PrometheusTools(prom, tool, installed_now=True, install_seconds=time.monotonic() - t0)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    missing = " and ".join(n for n, b in (("prometheus", prom), ("promtool", tool)) if not b)
+    raise PrometheusUnavailable(f"{missing} not found on PATH or in /usr/bin; {INSTALL_HINT}")
 
 
 def _get_json(url: str, timeout: float = 2.0) -> dict:

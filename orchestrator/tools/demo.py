@@ -10,18 +10,15 @@ import json
 import time
 import urllib.request
 
-from metrics import LoadbackMetrics, start_metrics_server
+from metrics import start_metrics_server
 
 from .bench.common import median, percentile
 from .chaos import Fault, Scenario, _progress, print_results, run_scenario
-from ..core import OPS
-from ..states import DegradeReason, PrefixState, transition_pairs
+from ..instruments import product_metrics
 
 
 def run(args) -> int:
-    metrics = LoadbackMetrics(states=[s.value for s in PrefixState],
-                              reasons=[r.value for r in DegradeReason], ops=OPS,
-                              transitions=transition_pairs())
+    metrics = product_metrics()
     server = start_metrics_server("127.0.0.1", 0, registry=metrics)
     print(f"metrics: {server.url}")
     scn = Scenario(name="demo", seed=42, requests=args.requests, max_seconds=150,

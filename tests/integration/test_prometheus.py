@@ -1,8 +1,8 @@
-"""Integration: promtool checks the alert rules, and a real Prometheus server scrapes a
-LoadbackMetrics /metrics endpoint, loads the alert rules and answers the dashboard's queries.
+"""Integration: promtool checks the alert rules, and a real Prometheus server scrapes the
+product's /metrics endpoint, loads the alert rules and answers the dashboard's queries.
 
-Prometheus comes from PATH or is installed by tests/prometheus_server.py (Debian package);
-these tests are skipped only when that install fails.
+Prometheus comes from PATH; `make test` installs Debian's package first when it is missing.
+Without it these tests fail with the install command, never skip.
 """
 from __future__ import annotations
 
@@ -13,34 +13,32 @@ from pathlib import Path
 
 import pytest
 
-from metrics import LoadbackMetrics, start_metrics_server
+from metrics import start_metrics_server
+from orchestrator.instruments import product_metrics
 import tests.prometheus_server as prometheus_server
-from tests.prometheus_server import PrometheusServer, PrometheusUnavailable, ensure_prometheus
+from tests.prometheus_server import PrometheusServer, PrometheusUnavailable, find_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
-STATES = ("matched", "marked", "retrieving", "loaded", "degraded")
-REASONS = ("lookup_timeout", "breaker_open", "retrieve_timeout", "retrieve_error", "aborted")
-OPS = ("lookup", "retrieve")
+RULES = {"LoadbackDaemonDown", "LoadbackBreakerOpen", "LoadbackDegradeRatioHigh",
+         "LoadbackRetrieveP99NearDeadline"}
 
 
 @pytest.fixture(scope="module")
 def tools():
     try:
-        t = ensure_prometheus()
+        return find_prometheus()
     except PrometheusUnavailable as e:
-        pytest.skip(f"prometheus unavailable: {e}")
-    if t.installed_now:
-        print(f"\ninstalled Debian prometheus in {t.install_seconds:.1f}s")
-    return t
+        pytest.fail(str(e), pytrace=False)
 
 
-def test_missing_prometheus_without_apt_is_reported_not_crashed(monkeypatch):
-    # The path a clean non-Debian CI machine takes: a reason the fixture turns into a skip.
-    monkeypatch.setattr(prometheus_server, "_which", lambda: (None, None))
-    monkeypatch.setattr(prometheus_server.shutil, "which", lambda *a, **k: None)
-    with pytest.raises(PrometheusUnavailable, match="apt-get is not available"):
-        ensure_prometheus()
+def test_missing_prometheus_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(prometheus_server, "_which", lambda: (None, "/usr/bin/promtool"))
+    with pytest.raises(PrometheusUnavailable) as ei:
+        find_prometheus()
+    msg = str(ei.value)
+    assert msg.startswith("prometheus not found") and "promtool" not in msg.split(";")[0]
+    assert "make test" in msg and "apt-get install -y --no-install-recommends prometheus" in msg
 
 
 def _promtool(tools, *args: str) -> subprocess.CompletedProcess:
@@ -53,7 +51,7 @@ def test_promtool_checks_and_unit_tests_alert_rules(tools):
                  ("check", "config", "prometheus.yml")):
         r = _promtool(tools, *args)
         assert r.returncode == 0, f"promtool {' '.join(args)}:\n{r.stdout}\n{r.stderr}"
-    assert "SUCCESS: 5 rules found" in _promtool(tools, "check", "rules", "alerts.yaml").stdout
+    assert f"SUCCESS: {len(RULES)} rules found" in _promtool(tools, "check", "rules", "alerts.yaml").stdout
 
 
 def _values(prom: PrometheusServer, expected: dict[str, float]) -> dict[str, list[float]]:
@@ -62,7 +60,7 @@ def _values(prom: PrometheusServer, expected: dict[str, float]) -> dict[str, lis
 
 @pytest.mark.timeout(180)
 def test_prometheus_scrapes_loadback_metrics(tools):
-    m = LoadbackMetrics(states=STATES, reasons=REASONS, ops=OPS)
+    m = product_metrics()
     for _ in range(3):
         m.transition("matched", "marked")
         m.outcome("loaded", "none", 100, 100, 4096)
@@ -72,7 +70,6 @@ def test_prometheus_scrapes_loadback_metrics(tools):
     m.observe_lookup(0.001, "hit")
     m.set_daemon_up(True)
     m.breaker("open")
-    m.set_quarantined(2)
     m.set_live("marked", 4)
 
     srv = start_metrics_server(host="127.0.0.1", port=0, registry=m)
@@ -91,7 +88,6 @@ def test_prometheus_scrapes_loadback_metrics(tools):
                 "loadback_loaded_bytes_total": 3 * 4096,
                 "loadback_daemon_up": 1,
                 "loadback_breaker_state": 2,
-                "loadback_quarantined_slots": 2,
                 'loadback_live_prefixes{state="marked"}': 4,
                 "loadback_retrieve_duration_seconds_count": 3,
             }
@@ -110,9 +106,7 @@ def test_prometheus_scrapes_loadback_metrics(tools):
             # The real server loads the alert rules.
             groups = prom.api("rules")["groups"]
             assert [g["name"] for g in groups] == ["loadback"]
-            assert {r["name"] for r in groups[0]["rules"]} == {
-                "LoadbackDaemonDown", "LoadbackBreakerOpen", "LoadbackDegradeRatioHigh",
-                "LoadbackRetrieveP99NearDeadline", "LoadbackQuarantineNotDraining"}
+            assert {r["name"] for r in groups[0]["rules"]} == RULES
             assert all(r["health"] != "err" for r in groups[0]["rules"]), groups[0]["rules"]
 
             # Every dashboard query is valid PromQL for this server (errors raise).
@@ -128,8 +122,8 @@ def test_prometheus_scrapes_loadback_metrics(tools):
             def pending() -> set[str]:
                 return {a["labels"]["alertname"] for a in prom.api("alerts")["alerts"]
                         if a["state"] in ("pending", "firing")}
-            prom.wait_for(lambda: {"LoadbackBreakerOpen", "LoadbackDaemonDown", "LoadbackQuarantineNotDraining"}
-                          <= pending(), 60, "alerts pending")
+            prom.wait_for(lambda: {"LoadbackBreakerOpen", "LoadbackDaemonDown"} <= pending(), 60,
+                          "alerts pending")
             assert "LoadbackDegradeRatioHigh" not in pending()  # needs 10m of history
             pid = prom.proc.pid
         assert prom.proc.poll() is not None, f"prometheus pid {pid} still running"

@@ -21,16 +21,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from metrics import LoadbackMetrics, MetricsServerBindError, UnknownLabelError, start_metrics_server
 from metrics.instruments import DURATION_BUCKETS
+from orchestrator.instruments import label_sets, product_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-STATES = ("matched", "marked", "retrieving", "loaded", "degraded")
-REASONS = ("lookup_timeout", "lookup_error", "breaker_open", "below_break_even", "retrieve_timeout",
-           "retrieve_error", "short_read", "corrupt_data", "alloc_failed", "daemon_restarted", "aborted")
-OPS = ("lookup", "retrieve", "register", "ping")
+# The label sets production uses, from the one function the orchestrator builds its metrics with.
+LABELS = label_sets()
+STATES, REASONS, OPS, TRANSITIONS = (LABELS[k] for k in ("states", "reasons", "ops", "transitions"))
 
 
 def make(**kw) -> LoadbackMetrics:
-    return LoadbackMetrics(states=STATES, reasons=REASONS, ops=OPS, **kw)
+    return LoadbackMetrics(**{**LABELS, **kw})
 
 
 def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -52,9 +52,9 @@ def test_fresh_instance_exposes_every_child_at_zero():
     for r in REASONS:
         assert f'loadback_prefix_outcomes_total{{reason="{r}",state="degraded"}} 0.0' in text
         assert f'loadback_recomputed_tokens_total{{reason="{r}"}} 0.0' in text
-    for src in STATES:
-        for dst in STATES:
-            assert f'loadback_prefix_transitions_total{{dst="{dst}",src="{src}"}} 0.0' in text
+    for src, dst in TRANSITIONS:
+        assert f'loadback_prefix_transitions_total{{dst="{dst}",src="{src}"}} 0.0' in text
+    assert text.count("loadback_prefix_transitions_total{") == len(TRANSITIONS)
     for res in ("hit", "miss", "error", "skipped"):
         assert f'loadback_lookups_total{{result="{res}"}} 0.0' in text
     for op in OPS:
@@ -67,13 +67,40 @@ def test_fresh_instance_exposes_every_child_at_zero():
     snap = m.snapshot()
     assert all(v == 0 for v in snap.values()), {k: v for k, v in snap.items() if v}
     for name in ("loadback_loaded_tokens_total", "loadback_loaded_bytes_total", "loadback_promised_tokens_total",
-                 "loadback_breaker_state", "loadback_daemon_up", "loadback_quarantined_slots",
+                 "loadback_breaker_state", "loadback_daemon_up",
                  "loadback_reregistrations_total", "loadback_late_replies_total", "loadback_config_generation",
                  "loadback_config_reload_failures_total", "loadback_lookup_duration_seconds_count",
                  "loadback_retrieve_duration_seconds_count"):
         assert name in snap
     # Outcomes: one loaded child and one per degrade reason, nothing else.
     assert sum(k.startswith("loadback_prefix_outcomes_total{") for k in snap) == 1 + len(REASONS)
+
+
+def test_label_sets_come_from_the_state_table_and_enums():
+    from orchestrator.states import DegradeReason, PrefixState, transition_pairs
+
+    assert set(STATES) == {s.value for s in PrefixState}
+    assert set(REASONS) == {r.value for r in DegradeReason}
+    assert set(TRANSITIONS) == set(transition_pairs())
+    snap = make().snapshot()
+    for r in DegradeReason:  # a reason added to the enum is pre-created with no other edit
+        assert snap[f"loadback_prefix_outcomes_total{{reason={r.value},state=degraded}}"] == 0
+
+
+def test_orchestrator_default_metrics_are_the_product_label_sets():
+    import torch
+
+    from connectors.kv_layout import KVLayout
+    from connectors.memory import InMemoryConnector
+    from orchestrator import LoadBackConfig, LoadBackOrchestrator
+
+    layout = KVLayout(num_layers=1, num_heads=2, head_dim=8, dtype=torch.float16, chunk_size=16)
+    orch = LoadBackOrchestrator(LoadBackConfig.from_dict({"chunk_size": 16}), InMemoryConnector(layout),
+                                start_heartbeat=False)
+    try:
+        assert set(orch.metrics.snapshot()) == set(product_metrics().snapshot())
+    finally:
+        orch.close()
 
 
 def test_histogram_buckets_log_spaced_0_1ms_to_60s():
@@ -139,7 +166,6 @@ CASES = [
     ("daemon up", lambda m: m.set_daemon_up(True), {"loadback_daemon_up": 1}),
     ("set live", lambda m: m.set_live("marked", 3), {"loadback_live_prefixes{state=marked}": 3}),
     ("live delta", lambda m: m.live_delta("retrieving", -1), {"loadback_live_prefixes{state=retrieving}": -1}),
-    ("quarantined", lambda m: m.set_quarantined(7), {"loadback_quarantined_slots": 7}),
     ("reregistered", lambda m: m.reregistered(), {"loadback_reregistrations_total": 1}),
     ("late reply", lambda m: m.late_reply(3), {"loadback_late_replies_total": 3}),
     ("late reply default", lambda m: m.late_reply(), {"loadback_late_replies_total": 1}),
@@ -188,8 +214,8 @@ UNKNOWN = [
     ("loaded with a degrade reason", lambda m: m.outcome("loaded", "retrieve_timeout")),
     ("degraded without reason", lambda m: m.outcome("degraded", "none", 5)),
     ("lookup result", lambda m: m.observe_lookup(0.1, "maybe")),
-    ("retry op", lambda m: m.retry("store")),
-    ("timeout op", lambda m: m.timeout("store")),
+    ("retry op", lambda m: m.retry("evict")),
+    ("timeout op", lambda m: m.timeout("evict")),
     ("breaker", lambda m: m.breaker("ajar")),
     ("set_live", lambda m: m.set_live("zombie", 1)),
     ("live_delta", lambda m: m.live_delta("zombie", 1)),
@@ -289,10 +315,10 @@ def test_port_in_use_gives_clear_oserror():
 
 MP_WORKER = textwrap.dedent("""
     import json, sys, urllib.request
-    from metrics import LoadbackMetrics, start_metrics_server
+    from metrics import start_metrics_server
+    from orchestrator.instruments import product_metrics
     role = sys.argv[1]
-    m = LoadbackMetrics(states=["matched", "marked", "loaded", "degraded"], reasons=["retrieve_timeout"],
-                        ops=["lookup"])
+    m = product_metrics()
     assert m.multiprocess
     m.outcome("loaded", "none", 10, 10, 100)
     m.outcome("degraded", "retrieve_timeout", 5)
@@ -328,7 +354,7 @@ def test_multiprocess_mode_aggregates_through_multiprocesscollector(tmp_path):
     assert snap["loadback_live_prefixes{state=marked}"] == 4  # livesum
     assert snap["loadback_daemon_up"] == 0                     # livemin: one rank is cut off
     assert snap["loadback_breaker_state"] == 2                 # livemax: the worst breaker shows
-    assert snap["loadback_prefix_transitions_total{dst=loaded,src=matched}"] == 0  # pre-created
+    assert snap["loadback_prefix_transitions_total{dst=loaded,src=retrieving}"] == 0  # pre-created
     assert 'loadback_prefix_outcomes_total{reason="none",state="loaded"} 2.0' in body
     assert "loadback_daemon_up 0.0" in body and 'pid="' not in body
 
@@ -374,7 +400,7 @@ def test_alerts_reference_only_exposed_metrics():
     assert group["name"] == "loadback"
     rules = {r["alert"]: r for r in group["rules"]}
     assert set(rules) == {"LoadbackDaemonDown", "LoadbackBreakerOpen", "LoadbackDegradeRatioHigh",
-                          "LoadbackRetrieveP99NearDeadline", "LoadbackQuarantineNotDraining"}
+                          "LoadbackRetrieveP99NearDeadline"}
     exposed = exposed_names()
     for name, r in rules.items():
         assert r["labels"]["severity"] in ("critical", "warning", "info"), name
@@ -400,7 +426,7 @@ def test_grafana_dashboard_parses_and_queries_only_exposed_metrics():
         used = promql_metric_names(expr)
         assert used and used <= exposed, (expr, used - exposed)
     for want in ("loaded vs recomputed", "outcomes by reason", "lookup latency", "retrieve latency",
-                 "breaker state", "daemon up", "live prefixes", "quarantined", "late replies",
+                 "breaker state", "daemon up", "live prefixes", "late replies",
                  "re-registrations"):
         assert any(want in t for t in titles), want
     all_exprs = " ".join(exprs)

@@ -1,0 +1,36 @@
+"""The product's metric label sets, from the state table and enums, in one place.
+
+Who calls what: `LoadBackOrchestrator` builds its default `LoadbackMetrics` with
+`product_metrics()`; the demo, the chaos harness and the metric tests call the same function,
+so every series a test or dashboard reads is one production pre-creates. `metrics/` never
+imports `orchestrator`, so the label values are handed to it from here.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from metrics import LoadbackMetrics
+
+from .states import DegradeReason, PrefixState, transition_pairs
+
+__all__ = ["OPS", "label_sets", "product_metrics"]
+
+#: Daemon operations that are timed out and retried (the `op` label of retries/timeouts).
+OPS: tuple[str, ...] = ("lookup", "retrieve", "store", "free_locks", "end_session", "ping",
+                        "register")
+
+
+def label_sets() -> dict:
+    """The closed label sets `LoadbackMetrics` pre-creates: states, reasons, ops, transitions."""
+    return {
+        "states": tuple(s.value for s in PrefixState),
+        "reasons": tuple(r.value for r in DegradeReason),
+        "ops": OPS,
+        "transitions": tuple(transition_pairs()),
+    }
+
+
+def product_metrics(registry: CollectorRegistry | None = None) -> LoadbackMetrics:
+    """A `LoadbackMetrics` with exactly the label sets the orchestrator uses."""
+    return LoadbackMetrics(registry=registry, **label_sets())
