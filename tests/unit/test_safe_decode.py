@@ -227,3 +227,142 @@ def test_corrupted_payload_only_ever_raises_protocol_error(data):
     except ProtocolError:
         return
     assert all(type(t) is torch.Tensor and t.shape == (2, 1, 4, 8) for t in got)
+
+
+# -- hostile views: every extent is checked against its storage before a tensor exists ----
+
+STRIDES = (2048, 1024, 64, 1)  # contiguous SHAPE
+
+
+def legacy_record(numel: int, body: bytes, *, pid=None, key: str = "0") -> bytes:
+    """torch.save's legacy storage record built by hand, so its header can lie."""
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return obj if isinstance(obj, tuple) else None
+
+    data = io.BytesIO()
+    _Pickler(data, protocol=2).dump(pid or ("storage", torch.HalfStorage, key, "cpu", numel, None))
+    info = {"protocol_version": 1001, "little_endian": True,
+            "type_sizes": {"short": 2, "int": 4, "long": 4}}
+    return (pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2) + pickle.dumps(1001, protocol=2)
+            + pickle.dumps(info, protocol=2) + data.getvalue() + pickle.dumps([key], protocol=2)
+            + numel.to_bytes(8, "little", signed=True) + body)
+
+
+def half_record(numel: int, *, zip_format: bool) -> bytes:
+    return storage_record(torch.arange(numel).half(), zip_format=zip_format)
+
+
+@pytest.mark.parametrize("zip_format", [False, True])
+def test_view_larger_than_its_storage_refused(zip_format):
+    """(2, 2, 16, 64) fp16 over 16 bytes: once accepted, the rest was uninitialised heap."""
+    payload = pickle.dumps([TensorOver(StorageRecord(half_record(8, zip_format=zip_format)),
+                                       SHAPE, STRIDES)])
+    with pytest.raises(ProtocolError, match=r"item 0: view of 4096 elements .* storage of 8"):
+        load(payload)
+
+
+@pytest.mark.parametrize("zip_format", [False, True])
+@pytest.mark.parametrize("offset", [1, 4096, 2**62])
+def test_offset_past_the_end_refused(zip_format, offset):
+    payload = pickle.dumps([TensorOver(StorageRecord(half_record(4096, zip_format=zip_format)),
+                                       SHAPE, STRIDES, offset=offset)])
+    with pytest.raises(ProtocolError, match="exceeds its storage of 4096"):
+        load(payload)
+
+
+@pytest.mark.parametrize("stride, fragment", [
+    ((2048, 1024, 64, -1), "unexpected arguments"),
+    ((-2048, 1024, 64, 1), "unexpected arguments"),
+    ((2**62, 1024, 64, 1), "exceeds its storage"),
+    ((2**63 - 1, 2**57, 2**50, 1), "exceeds its storage"),
+    ((2**64 + 2048, 1024, 64, 1), "exceeds its storage"),
+    ((0, 1024, 64, 1), "overlap"),            # both K and V would read the same bytes
+    ((2048, 1024, 32, 1), "overlap"),         # rows alias half of the next row
+])
+def test_hostile_strides_refused(stride, fragment):
+    record = StorageRecord(half_record(1 << 20, zip_format=False))
+    with pytest.raises(ProtocolError, match=fragment):
+        load(pickle.dumps([TensorOver(record, SHAPE, stride)]))
+
+
+def test_permuted_dense_view_accepted():
+    """A dense view in another dimension order is not an overlap."""
+    t = torch.randn(2, 2, 64, 16).half().transpose(2, 3)
+    assert not t.is_contiguous()
+    assert torch.equal(load(pickle.dumps([t]))[0], t)
+
+
+def test_overlapping_views_of_one_storage_refused():
+    record = StorageRecord(half_record(3 * 4096, zip_format=False))  # pickled once, memoized
+    ok = [TensorOver(record, SHAPE, STRIDES, offset=0), TensorOver(record, SHAPE, STRIDES, 4096)]
+    assert len(load(pickle.dumps(ok))) == 2
+    bad = [TensorOver(record, SHAPE, STRIDES, offset=0), TensorOver(record, SHAPE, STRIDES, 4000)]
+    with pytest.raises(ProtocolError, match="item 1: view overlaps the bytes of an earlier"):
+        load(pickle.dumps(bad))
+
+
+def test_one_storage_record_listed_twice_refused():
+    """A memoized record reappears as a second storage over the very same bytes."""
+    blob = storage_record(torch.zeros(SHAPE, dtype=torch.float16), zip_format=True)
+    payload = pickle.dumps([TensorOver(StorageRecord(blob), SHAPE, STRIDES),
+                            TensorOver(StorageRecord(blob), SHAPE, STRIDES)])
+    with pytest.raises(ProtocolError, match="overlaps"):
+        load(payload)
+
+
+def test_one_tensor_listed_twice_refused():
+    with pytest.raises(ProtocolError, match="item 1: the same tensor as item 0"):
+        load(pickle.dumps(tensors(torch.float16, n=1) * 2))
+
+
+@pytest.mark.parametrize("numel", [2**62, 2**63 - 1])
+def test_record_declaring_numel_near_2_63_refused(numel):
+    payload = pickle.dumps([TensorOver(StorageRecord(legacy_record(numel, b"\0" * 16)),
+                                       SHAPE, STRIDES)])
+    with pytest.raises(ProtocolError, match="storage record claims"):
+        load(payload)
+
+
+def test_view_declaring_numel_near_2_63_refused():
+    big = (2**31, 2**31, 2, 1)
+    payload = pickle.dumps([TensorOver(StorageRecord(half_record(8, zip_format=False)),
+                                       big, (0, 0, 0, 0))])
+    with pytest.raises(ProtocolError, match=r"item 0: expected \(2, 2, 16, 64\)"):
+        load(payload)
+
+
+def test_storages_are_fixed_size_and_aligned():
+    """Legacy records take the copy path: that copy must not be resizable either."""
+    orig = tensors(torch.float16, n=2)
+    for payload in (pickle.dumps(orig), pickle.dumps(
+            [TensorOver(StorageRecord(storage_record(t, zip_format=True)), SHAPE, STRIDES)
+             for t in orig])):
+        for t in load(payload):
+            assert not t.untyped_storage().resizable()
+            assert t.data_ptr() % 16 == 0
+            with pytest.raises(RuntimeError):
+                t.untyped_storage().resize_(t.untyped_storage().nbytes() * 2)
+
+
+DEPTH = 200_000
+
+
+def nested_storage_id() -> bytes:
+    """A storage record whose persistent id is a tuple nested DEPTH levels deep."""
+    record = legacy_record(4096, b"\0" * 8192, pid=("storage",))
+    head = pickle.dumps("storage", protocol=2)[2:-1]  # the string's opcode, as the id holds it
+    assert record.count(head + b"\x85") == 1
+    record = record.replace(head + b"\x85", head + b"\x85" * DEPTH)
+    return pickle.dumps([TensorOver(StorageRecord(record), SHAPE, STRIDES)])
+
+
+@pytest.mark.parametrize("payload, fragment", [
+    (b"\x80\x02" + b"]" * DEPTH + b"a" * (DEPTH - 1) + b".", "item 0: expected a tensor"),
+    (b"\x80\x02)" + b"\x85" * DEPTH + b".", "expected a list of tensors, got tuple"),
+    (nested_storage_id(), r"unexpected persistent id \(tuple\)"),
+], ids=["list", "tuple", "storage-id"])
+def test_deeply_nested_payload_refused(payload, fragment):
+    with pytest.raises(ProtocolError, match=fragment):
+        load(payload)
