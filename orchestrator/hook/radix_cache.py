@@ -1,0 +1,488 @@
+"""LoadBackRadixCache: SGLang's RadixCache with this product's two-phase load-back.
+
+Who calls it: SGLang's scheduler thread, every method (modelled on SGLang's FlexKV backend).
+- 0.5.20: `match_prefix` runs the deadline-bounded LOOKUP (once per request key; later passes
+  answer from the request's promise); `init_load_back` allocates, RETRIEVEs, attaches a node;
+  `cache_finished_req` STOREs and ends the daemon session.
+- 0.5.23: `prefetch_from_storage` hands the LOOKUP to one worker thread; `check_prefetch_progress`
+  polls it and never blocks (a LOOKUP unanswered past its deadline resolves as a miss, and its
+  late answer is released by the worker); `checkpoint` of a finished request STOREs; `on_release`
+  and `release_aborted_request` end or abort the daemon side.
+What must never happen: an exception from a daemon failure reaching the scheduler, a call
+waiting past its deadline, a slot or tree lock leaked on any outcome, a promise answered stale
+after the radix hit or the key changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from . import compat
+
+log = logging.getLogger("loadback.hook")
+
+
+@dataclass(eq=False)
+class _Promise:
+    """One request's answer from the daemon, the marker later passes are answered from."""
+
+    request_id: str           # the orchestrator's id for this derivation
+    token_ids: array          # the page-aligned key the LOOKUP saw (a copy)
+    salt: str
+    local_tokens: int         # device hit the promise was made against
+    tokens: int = 0           # tokens to load beyond local_tokens (0: recompute / used)
+    loaded: int = 0
+    key: Any = None           # detached RadixKey snapshot for the node load_back attaches
+    relookups: int = 0
+
+
+@dataclass(eq=False)
+class _Lookup:
+    """A LOOKUP handed to the worker (0.5.23); resolved by the worker or by its deadline."""
+
+    promise: _Promise
+    deadline: float
+    done: threading.Event = field(default_factory=threading.Event)
+    tokens: int = 0
+    abandoned: bool = False   # resolved as a miss at its deadline: the worker releases it
+
+
+class _LookupWorker:
+    """One thread per cache running `match()`: the scheduler thread only polls."""
+
+    def __init__(self, orch) -> None:
+        self.orch = orch
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="loadback-lookup", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Lookup) -> None:
+        self._q.put(job)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while (job := self._q.get()) is not None:
+            p = job.promise
+            with self._lock:
+                skip = job.abandoned
+            tokens = 0
+            if not skip:
+                try:
+                    tokens = _tokens(self.orch.match(
+                        p.request_id, p.token_ids, local_hit_tokens=p.local_tokens,
+                        cache_salt=p.salt))
+                except Exception:  # a daemon failure must not kill the worker
+                    log.exception("lookup %s failed", p.request_id)
+            with self._lock:
+                job.tokens = tokens
+                late = job.abandoned
+                job.done.set()
+            if late:
+                self.orch.abort(p.request_id)  # settled after its deadline: release it
+
+    def resolve(self, job: _Lookup, now: float) -> int | None:
+        """Tokens promised, or None while the LOOKUP may still answer in time."""
+        with self._lock:
+            if job.done.is_set():
+                return job.tokens
+            if now < job.deadline:
+                return None
+            job.abandoned = True
+            return 0
+
+
+def _tokens(result) -> int:
+    return int(getattr(result, "tokens", result))
+
+
+class LoadBackRadixCache(RadixCache):
+    """RadixCache + fault-tolerant load-back from an LMCache daemon."""
+
+    def __init__(self, params, *, config, tp_size: int = 1, tp_rank: int = 0,
+                 tp_group=None, orchestrator=None, async_lookups: bool | None = None) -> None:
+        self._promises: dict[Any, _Promise] = {}
+        self._lookups: dict[Any, _Lookup] = {}
+        super().__init__(params)
+        self.config = config
+        chunk = config.chunk_size
+        if chunk % self.page_size:
+            raise ValueError(
+                f"chunk_size {chunk} (the --lmcache-config-file YAML, = the daemon's "
+                f"--chunk-size) must be a multiple of --page-size {self.page_size}: loads and "
+                "stores move whole pages; change one of them")
+        self.shim = compat.detect(self.device)
+        self.chunk_size = chunk
+        self.kvcache = self.token_to_kv_pool_allocator.get_kvcache()
+        if orchestrator is None:
+            orchestrator = self._build_orchestrator(config, tp_size, tp_rank, tp_group)
+        self.orch = orchestrator
+        # With TP > 1 every rank's collectives must come from one thread in one order, so the
+        # LOOKUP runs on the scheduler thread (bounded by deadlines.lookup_ms).
+        if async_lookups is None:
+            async_lookups = self.shim.prefix_len_api and tp_size == 1
+        self._worker = _LookupWorker(self.orch) if async_lookups else None
+        self._ids = 0
+        self._id_lock = threading.Lock()
+        #: Seconds the scheduler thread spent in a call that may reach the daemon, per call.
+        self.daemon_wait_s: list[float] = []
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def from_build_context(cls, ctx) -> "LoadBackRadixCache":
+        from orchestrator.config import LoadBackConfig
+
+        path = getattr(ctx.server_args, "lmcache_config_file", None)
+        if not path:
+            raise ValueError(
+                "--radix-cache-backend loadback needs --lmcache-config-file FILE (this "
+                "product's YAML, or an LMCache MP YAML with mp_host/mp_port)")
+        config = LoadBackConfig.from_yaml(path)
+        compat.check_version(compat.sglang_version(), allowed=compat.allow_untested(config))
+        group = ctx.tp_group
+        group = getattr(group, "cpu_group", group) if ctx.tp_size > 1 else None
+        return cls(ctx.params, config=config, tp_size=ctx.tp_size, tp_rank=ctx.tp_rank,
+                   tp_group=group)
+
+    def _build_orchestrator(self, config, tp_size, tp_rank, tp_group):
+        from connectors.kv_layout import KVLayout
+        from connectors.lmcache_mp import KVPool
+        from orchestrator.factory import create_orchestrator
+
+        k, v = list(self.kvcache.k_buffer), list(self.kvcache.v_buffer)
+        chunk = config.ip.chunk_size if config.mode == "ip" else config.chunk_size
+        layout = KVLayout.from_pool(k, v, chunk)
+        # Never waits on the daemon: registration happens on the orchestrator's heartbeat.
+        return create_orchestrator(config, layout=layout, kv_pool=KVPool(k, v),
+                                   tp_group=tp_group, kv_rank=tp_rank, world_size=tp_size)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        self.orch.close()
+
+    shutdown = close
+
+    def release_host_resources(self) -> None:
+        self.close()
+
+    def reset(self) -> None:
+        super().reset()
+        for handle in list(self._promises) + list(self._lookups):
+            self._drop(handle, abort=True)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _next_id(self, handle) -> str:
+        with self._id_lock:
+            self._ids += 1
+            n = self._ids
+        rid, attempt = getattr(handle, "rid", handle), getattr(handle, "attempt_id", 0)
+        return f"{rid}#{attempt}.{n}"
+
+    @staticmethod
+    def _handle(req):
+        return getattr(req, "cache_request_handle", None) or req.rid
+
+    @staticmethod
+    def _salt(extra_key, cache_salt) -> str:
+        # Both namespace the tree, so both namespace the daemon's keys.
+        if not extra_key and not cache_salt:
+            return ""
+        return f"{extra_key or ''}\x1f{cache_salt or ''}"
+
+    def _timed(self, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.daemon_wait_s.append(time.perf_counter() - start)
+
+    def _path_len(self, node) -> int:
+        n = 0
+        while node is not None and node is not self.root_node:
+            n += len(node.key)
+            node = node.parent
+        return n
+
+    def _drop(self, handle, *, abort: bool) -> _Promise | None:
+        p = self._promises.pop(handle, None)
+        job = self._lookups.pop(handle, None)
+        if job is not None:
+            if self._worker.resolve(job, float("inf")) is None or job.abandoned:
+                return p  # the worker releases a LOOKUP still in flight itself
+            p = p or job.promise
+        if p is not None:
+            try:
+                (self.orch.abort if abort else self.orch.finish)(p.request_id)
+            except Exception:
+                log.exception("releasing %s failed", p.request_id)
+        return p
+
+    # ------------------------------------------------------------ match_prefix
+
+    def match_prefix(self, params: MatchPrefixParams):
+        base = super().match_prefix(params)
+        req, key = params.req, params.key
+        if req is None or self.disable or not key or key.is_bigram:
+            return base
+        key = key.page_aligned(self.page_size)
+        if len(key) == 0:
+            return base
+        try:
+            tokens = self._promise_for(req, key, self.shim.device_len(base))
+        except Exception:  # never into the scheduler: recompute instead
+            log.exception("match_prefix for %s failed; recomputing", req.rid)
+            tokens = 0
+        return self.shim.with_host_hit(base, tokens) if tokens > 0 else base
+
+    def _promise_for(self, req, key, device_len: int) -> int:
+        handle = self._handle(req)
+        ids = key.raw_token_ids()[: len(key)]
+        salt = self._salt(key.extra_key, key.cache_salt)
+        job = self._lookups.get(handle)
+        if job is not None:  # 0.5.23: answered (or timed out) in check_prefetch_progress
+            if self._worker.resolve(job, time.monotonic()) is None:
+                return 0
+            self._lookups.pop(handle)
+            job.promise.tokens = job.tokens
+            self._promises[handle] = job.promise
+        p = self._promises.get(handle)
+        same_key = p is not None and p.salt == salt and p.token_ids == array("q", ids)
+        if p is not None and not same_key:
+            self._drop(handle, abort=True)  # the key changed: this promise is void
+            p = None
+        if p is None:
+            if self._worker is not None:
+                return 0  # 0.5.23 looks up only from prefetch_from_storage
+            return self._lookup_now(handle, key, ids, salt, device_len)
+        if device_len == p.local_tokens or (p.tokens == 0 and device_len > p.local_tokens):
+            return p.tokens
+        return self._rederive(handle, p, key, device_len)
+
+    def _lookup_now(self, handle, key, ids, salt: str, device_len: int) -> int:
+        p = _Promise(self._next_id(handle), array("q", ids), salt, device_len,
+                     key=RadixKey(array("q", ids), key.extra_key, cache_salt=key.cache_salt))
+        if len(ids) - device_len >= self.chunk_size:
+            p.tokens = _tokens(self._timed(self.orch.match, p.request_id, p.token_ids,
+                                           local_hit_tokens=device_len, cache_salt=salt))
+        self._promises[handle] = p
+        return self._checked(handle, p)
+
+    def _checked(self, handle, p: _Promise) -> int:
+        # Whole pages inside the key, or nothing: anything else would corrupt the tree.
+        if p.tokens and (p.tokens % self.page_size or
+                         p.local_tokens + p.tokens > len(p.token_ids)):
+            log.error("promise of %d tokens for %s is not whole pages of its key; recomputing",
+                      p.tokens, p.request_id)
+            self.orch.abort(p.request_id)
+            p.tokens = 0
+        return p.tokens
+
+    def _rederive(self, handle, p: _Promise, key, device_len: int) -> int:
+        """The radix hit moved since the promise: shrink it (or look up again)."""
+        rederive = getattr(self.orch, "rederive", None)
+        if rederive is not None and device_len > p.local_tokens:
+            p.tokens = _tokens(self._timed(rederive, p.request_id, device_len))
+            p.local_tokens = device_len
+            return self._checked(handle, p)
+        relookups = p.relookups + 1
+        self._drop(handle, abort=True)
+        if self._worker is not None or relookups > 3:
+            # 0.5.23 must not block here, and a churning hit must not LOOKUP forever.
+            q = _Promise(self._next_id(handle), p.token_ids, p.salt, device_len,
+                         relookups=relookups)
+            self._promises[handle] = q
+            return 0
+        tokens = self._lookup_now(handle, key, p.token_ids, p.salt, device_len)
+        self._promises[handle].relookups = relookups
+        return tokens
+
+    # --------------------------------------------- 0.5.23: prefetch and poll
+
+    def prefetch_from_storage(self, handle, last_host_node=None, new_input_tokens=(),
+                              last_hash=None, prefix_keys=None, matched_prefix_tokens=None,
+                              extra_key=None, cache_salt=None, storage_hit_end=None, **_):
+        """Submit the LOOKUP; never waits (the worker thread runs it)."""
+        if self._worker is None or handle in self._lookups or handle in self._promises:
+            return
+        local = list(matched_prefix_tokens or [])
+        key = RadixKey(array("q", local + list(new_input_tokens)), extra_key,
+                       cache_salt=cache_salt).page_aligned(self.page_size)
+        ids = key.raw_token_ids()[: len(key)]
+        device_len = min(len(local) // self.page_size * self.page_size, len(key))
+        if len(key) - device_len < self.chunk_size:
+            return
+        p = _Promise(self._next_id(handle), array("q", ids),
+                     self._salt(extra_key, cache_salt), device_len,
+                     key=RadixKey(array("q", ids), extra_key, cache_salt=cache_salt))
+        budget = self.config.deadlines.lookup_ms / 1000
+        job = _Lookup(p, deadline=time.monotonic() + budget + 0.05)
+        self._lookups[handle] = job
+        self._worker.submit(job)
+
+    def check_prefetch_progress(self, handle) -> bool:
+        """False while the LOOKUP may still answer in time; never blocks."""
+        job = self._lookups.get(handle)
+        if job is None:
+            return True
+        return self._worker.resolve(job, time.monotonic()) is not None
+
+    def terminate_prefetch(self, handle) -> None:
+        self._drop(handle, abort=True)
+
+    def pop_prefetch_loaded_tokens(self, handle) -> int:
+        return 0  # loads happen in init_load_back, counted there
+
+    def is_backuped(self, node) -> bool:
+        return True  # the daemon keys by tokens: any device node anchors a lookup
+
+    def is_root(self, node) -> bool:
+        return node is self.root_node
+
+    def get_last_hash_value(self, node):
+        return None
+
+    def get_prefix_hash_values(self, node):
+        return []
+
+    @property
+    def hicache_storage_pass_prefix_keys(self) -> bool:
+        return False
+
+    def check_hicache_events(self) -> None:
+        """Loads complete inside init_load_back; nothing is pending here."""
+
+    def ready_to_load_host_cache(self) -> int:
+        return -1
+
+    def has_pending_cache_operations(self) -> bool:
+        return bool(self._lookups)
+
+    # ---------------------------------------------------------- init_load_back
+
+    def init_load_back(self, params):
+        node = params.best_match_node
+        req = params.req
+        if req is None:
+            return self.shim.recompute(node)
+        handle = self._handle(req)
+        p = self._promises.get(handle)
+        if p is None or p.tokens <= 0:
+            return self.shim.recompute(node)
+        try:
+            return self._load(p, node, params.host_hit_length)
+        except Exception:  # never into the scheduler: recompute instead
+            log.exception("init_load_back for %s failed; recomputing", req.rid)
+            self.orch.abort(p.request_id)
+            p.tokens = 0
+            return self.shim.recompute(node)
+
+    def _load(self, p: _Promise, node, host_hit_length: int):
+        n, local = p.tokens, p.local_tokens
+        new_key = p.key[local: local + n]
+        if (host_hit_length != n or self._path_len(node) != local
+                or new_key.child_key(self.page_size) in node.children):
+            # The scheduler's view moved since the promise (or another load attached this
+            # span first): loading now would not fit the tree.
+            self.orch.abort(p.request_id)
+            p.tokens = 0
+            return self.shim.recompute(node)
+        alloc = self.token_to_kv_pool_allocator
+        if alloc.available_size() < n:
+            self.evict(EvictParams(num_tokens=n))
+        slots = alloc.alloc(n)
+        if slots is None:
+            self._timed(self.orch.load_back, p.request_id, None)  # degrades: alloc_failed
+            p.tokens = 0
+            return self.shim.recompute(node)
+        try:
+            result = self._timed(self.orch.load_back, p.request_id, slots)
+        except BaseException:
+            alloc.free(slots)
+            raise
+        p.tokens = 0
+        if result.loaded_tokens != n:
+            alloc.free(slots)
+            return self.shim.recompute(node)
+        p.loaded = n
+        new_node = TreeNode(priority=node.priority)
+        new_node.key = new_key
+        new_node.value = slots.to(torch.int64)
+        new_node.parent = node
+        node.children[new_key.child_key(self.page_size)] = new_node
+        self.evictable_size_ += n
+        self._update_leaf_status(node)
+        self._update_leaf_status(new_node)
+        self.kv_events.record_store(node)
+        self.kv_events.record_store(new_node)
+        return self.shim.loaded(new_node.value, new_node)
+
+    # ------------------------------------------------------ finish and abort
+
+    def cache_finished_req(self, req, is_insert: bool = True, **kwargs) -> None:
+        """0.5.20: insert into the tree, STORE the whole chunks, end the daemon session."""
+        super().cache_finished_req(req, is_insert=is_insert, **kwargs)
+        self._finish(req, store=is_insert and not self.disable, limit=None)
+
+    def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
+        """0.5.23: a finished request's checkpoint STOREs its whole chunks."""
+        super().checkpoint(req, up_to=up_to, **kwargs)
+        if req.finished() and not self.disable:
+            self._store(req, limit=up_to)
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        self._drop(self._handle(req), abort=not checkpointed)
+
+    def release_aborted_request(self, handle) -> None:
+        """Aborted (either version): release the daemon's locks and session."""
+        self._drop(handle, abort=True)
+
+    def _finish(self, req, *, store: bool, limit: int | None) -> None:
+        if store:
+            self._store(req, limit=limit)
+        self._drop(self._handle(req), abort=False)
+
+    def _store(self, req, *, limit: int | None) -> None:
+        try:
+            handle = self._handle(req)
+            p = self._promises.get(handle)
+            if p is None:
+                p = self._promises[handle] = _Promise(
+                    self._next_id(handle), array("q"), "", 0)
+            committed = getattr(req.kv, "kv_committed_len", None) if hasattr(req, "kv") else None
+            ids = list(req.origin_input_ids) + list(req.output_ids)
+            if committed is None:
+                committed = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+            if limit is not None:
+                committed = min(committed, limit)
+            ids = ids[:committed]
+            if len(ids) < self.chunk_size:
+                return
+            # The tree's own slots for this prefix: they outlive the request's row.
+            key = RadixKey(array("q", ids), req.extra_key, cache_salt=req.cache_salt)
+            base = super().match_prefix(MatchPrefixParams(key=key))
+            slots = self.shim.path_indices(self, base)
+            n = len(slots) // self.chunk_size * self.chunk_size
+            if n == 0:
+                return
+            self._timed(self.orch.store, p.request_id, ids[:n], slots[:n],
+                        cache_salt=self._salt(req.extra_key, req.cache_salt))
+        except Exception:  # a failed store is counted by the orchestrator; never raised
+            log.exception("store for %s failed", req.rid)

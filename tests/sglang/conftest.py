@@ -1,0 +1,332 @@
+"""Class-level tests of the `loadback` radix-cache backend on SGLang's real classes.
+
+Run (each supported sglang has its own venv, built by the Makefile):
+
+    PYTHONPATH=tests/sglang/stubs HF_HUB_OFFLINE=1 \
+        .venv-sglang-0.5.20/bin/python -m pytest tests/sglang -m "not e2e" -q
+    PYTHONPATH=tests/sglang/stubs HF_HUB_OFFLINE=1 \
+        .venv-sglang-0.5.23/bin/python -m pytest tests/sglang -m "not e2e" -q
+
+What is real: SGLang's ReqToTokenPool, MHATokenToKVPool, (Paged)TokenToKVPoolAllocator,
+RadixCache, Req and its own `release_kv_cache`; the lmcache 0.5.6 daemon (a subprocess on a
+free loopback port, stopped by PID). What `Sched` plays: the scheduler's calls, in its order
+(prefetch/poll on 0.5.23, match_prefix, init_load_back, then the prefill that writes KV).
+KV values are a function of (token, position, layer): a recomputed prefix and a loaded one
+must be byte-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from array import array
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import sglang  # noqa: E402  (a missing sglang fails the run: never a silent skip)
+from sglang.srt import runtime_context  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from connectors.daemon import DaemonProcess  # noqa: E402
+from orchestrator.config import LoadBackConfig  # noqa: E402
+
+CHUNK = 16
+MODEL_DIR = Path(__file__).parent / "model"
+SGLANG_VERSION = sglang.__version__
+NEW_API = tuple(int(x) for x in SGLANG_VERSION.split(".")[:3]) >= (0, 5, 21)
+
+_published = False
+
+
+def publish(page_size: int) -> None:
+    global _published
+    if not _published:
+        runtime_context.publish(
+            ServerArgs(model_path=str(MODEL_DIR), skip_tokenizer_init=True, device="cpu",
+                       page_size=page_size), role="scheduler")
+        _published = True
+
+
+def page_sizes() -> list[int]:
+    return [16] if NEW_API else [1, 16]
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = DaemonProcess(chunk_size=CHUNK, http=True)
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def live_daemon(daemon):
+    daemon.resume()
+    if daemon.proc is None or daemon.proc.poll() is not None:
+        daemon.start()
+    yield daemon
+    daemon.resume()
+
+
+def make_config(port: int, **over) -> LoadBackConfig:
+    base = {
+        "mp_port": port, "chunk_size": CHUNK,
+        "deadlines": {"lookup_ms": 300, "retrieve_base_ms": 500, "retrieve_max_ms": 1000,
+                      "control_ms": 300, "store_ms": 1000, "connect_ms": 200},
+        "heartbeat": {"interval_ms": 100},
+        "breaker": {"cooldown_ms": 100, "cooldown_max_ms": 200},
+    }
+    for k, v in over.items():
+        base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
+    return LoadBackConfig.from_dict(base)
+
+
+def fill(pool, slots: torch.Tensor, ids, start: int) -> None:
+    """The KV a prefill computes: a function of (token, position, layer)."""
+    pos = torch.arange(start, start + len(slots), dtype=torch.float32)
+    tok = torch.tensor(list(ids), dtype=torch.float32)
+    for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer)):
+        base = (tok * 0.013 + pos * 0.0007 + layer * 0.5)[:, None, None]
+        grid = torch.arange(k.shape[1] * k.shape[2], dtype=torch.float32).view(1, k.shape[1], k.shape[2])
+        k[slots.long()] = torch.sin(base + grid * 0.01).to(k.dtype)
+        v[slots.long()] = torch.cos(base - grid * 0.02).to(v.dtype)
+
+
+def expected_kv(pool, ids, start: int) -> list[torch.Tensor]:
+    """What `fill` writes for ids at positions start.., read back through scratch slots."""
+    out = []
+    pos = torch.arange(start, start + len(ids), dtype=torch.float32)
+    tok = torch.tensor(list(ids), dtype=torch.float32)
+    for layer, k in enumerate(pool.k_buffer):
+        base = (tok * 0.013 + pos * 0.0007 + layer * 0.5)[:, None, None]
+        grid = torch.arange(k.shape[1] * k.shape[2], dtype=torch.float32).view(1, k.shape[1], k.shape[2])
+        out.append((torch.sin(base + grid * 0.01).to(k.dtype), torch.cos(base - grid * 0.02).to(k.dtype)))
+    return out
+
+
+def kv_matches(pool, slots: torch.Tensor, ids, start: int) -> bool:
+    for (ek, ev), k, v in zip(expected_kv(pool, ids, start), pool.k_buffer, pool.v_buffer):
+        if not (torch.equal(k[slots.long()], ek) and torch.equal(v[slots.long()], ev)):
+            return False
+    return True
+
+
+class Sched:
+    """Plays SGLang's scheduler against one cache: the calls, in the scheduler's order."""
+
+    def __init__(self, cache, *, poll_limit_s: float = 5.0) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        self.cache = cache
+        self.MatchPrefixParams, self.InitLoadBackParams, self.RadixKey = (
+            MatchPrefixParams, InitLoadBackParams, RadixKey)
+        self.poll_limit_s = poll_limit_s
+        self.pool = cache.token_to_kv_pool_allocator.get_kvcache()
+        self.calls: list[tuple[str, float]] = []   # (method, seconds) on the "scheduler thread"
+
+    def _t(self, name, fn, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            self.calls.append((name, time.perf_counter() - t0))
+
+    def new_req(self, rid: str, ids, *, extra_key=None, cache_salt=None):
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        req = Req(rid, "", array("q", ids), SamplingParams(max_new_tokens=1))
+        if extra_key is not None:
+            req.extra_key = extra_key
+        if cache_salt is not None:
+            req.cache_salt = cache_salt
+        return req
+
+    def key(self, req):
+        return self.RadixKey(array("q", req.origin_input_ids), req.extra_key,
+                             cache_salt=req.cache_salt)
+
+    def prefetch(self, req) -> None:
+        """0.5.23: `_prefetch_kvcache` at queueing, then poll until ready (bounded)."""
+        if not NEW_API:
+            return
+        base = self.cache.match_prefix(self.MatchPrefixParams(key=self.key(req)))
+        local = self.cache.shim.device_len(base)
+        ids = list(req.origin_input_ids)
+        self._t("prefetch_from_storage", self.cache.prefetch_from_storage,
+                req.cache_request_handle, base.last_device_node, ids[local:],
+                matched_prefix_tokens=ids[:local], extra_key=req.extra_key,
+                cache_salt=req.cache_salt)
+
+    def poll(self, req) -> int:
+        """Passes until check_prefetch_progress says ready (0.5.23); 0 on 0.5.20."""
+        if not NEW_API:
+            return 0
+        passes, limit = 0, time.monotonic() + self.poll_limit_s
+        while not self._t("check_prefetch_progress", self.cache.check_prefetch_progress,
+                          req.cache_request_handle):
+            passes += 1
+            assert time.monotonic() < limit, "check_prefetch_progress never became ready"
+            time.sleep(0.002)  # the scheduler's next pass
+        return passes
+
+    def match(self, req):
+        return self._t("match_prefix", self.cache.match_prefix,
+                       self.MatchPrefixParams(key=self.key(req), req=req))
+
+    def admit(self, req, *, prefetch: bool = True) -> dict:
+        """Queue (0.5.23 prefetch), match, load back, prefill the rest; returns what happened."""
+        if prefetch:
+            self.prefetch(req)
+        self.poll(req)
+        res = self.match(req)
+        cache = self.cache
+        device_len = cache.shim.device_len(res)
+        prefix = cache.shim.path_indices(cache, res)[:device_len]
+        node = res.last_device_node
+        loaded_slots = torch.empty((0,), dtype=torch.int64)
+        if res.host_hit_length > 0:
+            lock = cache.inc_lock_ref(node)  # the scheduler's _lock_node around the load
+            try:
+                answer = self._t("init_load_back", cache.init_load_back, self.InitLoadBackParams(
+                    best_match_node=res.best_match_node, host_hit_length=res.host_hit_length,
+                    req=req))
+            finally:
+                cache.dec_lock_ref(node, lock.to_dec_params() if hasattr(lock, "to_dec_params") else None)
+            got, new_node = answer
+            n = int(got) if isinstance(got, int) else len(got)
+            assert n in (0, res.host_hit_length), "a partial load reached the scheduler"
+            if n:
+                node = new_node
+                loaded_slots = cache.path_device_indices(node)[device_len:device_len + n] \
+                    if NEW_API else got
+        prefix = torch.cat([prefix.to(torch.int64), loaded_slots.to(torch.int64)])
+        ids = list(req.origin_input_ids)
+        rest = len(ids) - len(prefix)
+        alloc = cache.token_to_kv_pool_allocator
+        new = alloc.alloc(-(-rest // cache.page_size) * cache.page_size)
+        assert new is not None, "test pool too small"
+        new = new[:rest] if rest else new[:0]
+        fill(self.pool, new, ids[len(prefix):], len(prefix))
+        row = cache.req_to_token_pool.alloc([req])
+        assert row is not None
+        req.kv.req_pool_idx = row[0] if isinstance(row, list) else row
+        cache.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, len(ids))),
+                                      torch.cat([prefix, new.to(torch.int64)]).to(torch.int32))
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = len(ids)
+        req.kv.cache_protected_len = len(prefix)
+        req.last_node = node
+        if NEW_API:
+            req.prefix_len = len(prefix)
+            req.lock = cache.lock(node)
+        else:
+            req.prefix_indices = prefix
+            cache.inc_lock_ref(node)
+        return {"device": device_len, "host_hit": res.host_hit_length,
+                "loaded": len(loaded_slots), "loaded_slots": loaded_slots, "prefix": prefix}
+
+    def finish(self, req) -> None:
+        """The request finished (one output token never computed): SGLang's release_kv_cache."""
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        req.finished_reason = FINISH_LENGTH(length=0)
+        t0 = time.perf_counter()
+        if NEW_API:
+            release_kv_cache(req, self.cache, checkpoint=True)
+        else:
+            release_kv_cache(req, self.cache)
+        self.calls.append(("finish", time.perf_counter() - t0))
+
+    def abort(self, req) -> None:
+        self._t("release_aborted_request", self.cache.release_aborted_request,
+                req.cache_request_handle)
+
+    def flush(self) -> None:
+        """Evict the whole device tree (what /flush_cache or memory pressure does)."""
+        self.cache.evict(_evict_params(self.cache.total_size() + 10 ** 6))
+
+
+def _evict_params(n: int):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    return EvictParams(num_tokens=n)
+
+
+def tree_consistent(cache) -> None:
+    """evictable + protected sizes equal the tree's own sums; lock refs never negative."""
+    evictable = protected = 0
+    stack = [cache.root_node]
+    while stack:
+        node = stack.pop()
+        assert node.lock_ref >= 0, "negative lock_ref"
+        if node is not cache.root_node:
+            if node.lock_ref > 0:
+                protected += len(node.value)
+            else:
+                evictable += len(node.value)
+        stack.extend(node.children.values())
+    assert cache.evictable_size() == evictable, (cache.evictable_size(), evictable)
+    assert cache.protected_size() == protected, (cache.protected_size(), protected)
+
+
+@pytest.fixture
+def make_cache(request):
+    """Build LoadBackRadixCache on SGLang's real pools; closed after the test."""
+    made = []
+
+    def build(page_size: int, config: LoadBackConfig, *, slots: int = 1024, **kw):
+        from sglang.srt.mem_cache.allocator import (
+            PagedTokenToKVPoolAllocator,
+            TokenToKVPoolAllocator,
+        )
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+        from orchestrator.hook.radix_cache import LoadBackRadixCache
+
+        publish(page_size)
+        kv = MHATokenToKVPool(slots, page_size=page_size, dtype=torch.float16, head_num=2,
+                              head_dim=16, layer_num=2, device="cpu", enable_memory_saver=False)
+        if page_size == 1:
+            alloc = TokenToKVPoolAllocator(slots, torch.float16, "cpu", kv, need_sort=False)
+        else:
+            alloc = PagedTokenToKVPoolAllocator(slots, page_size, torch.float16, "cpu", kv,
+                                                need_sort=False)
+        r2t = ReqToTokenPool(16, 2048, "cpu", False)
+        params = CacheInitParams(disable=False, req_to_token_pool=r2t,
+                                 token_to_kv_pool_allocator=alloc, page_size=page_size)
+        cache = LoadBackRadixCache(params, config=config, **kw)
+        made.append(cache)
+        return cache
+
+    yield build
+    for c in made:
+        c.close()
+
+
+_next_token = [1000]
+
+
+def fresh_ids(n: int) -> list[int]:
+    """Token ids no other test stored: the module's daemon outlives each test."""
+    start = _next_token[0]
+    _next_token[0] += n + 1
+    return list(range(start, start + n))
+
+
+def wait_for(pred, timeout_s: float, what: str, step_s: float = 0.02):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(step_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
