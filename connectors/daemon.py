@@ -179,9 +179,25 @@ class DaemonProcess:
         if self.proc and self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
 
-    def pause(self) -> None:
-        """SIGSTOP: the daemon hangs with its sockets open."""
+    def pause(self, settle_s: float = 2.0) -> None:
+        """SIGSTOP: the daemon hangs with its sockets open. Returns once the kernel shows it
+        stopped (signals are delivered asynchronously), or after `settle_s`."""
         self._signal(signal.SIGSTOP)
+        deadline = time.monotonic() + settle_s
+        while self.proc and self.proc.poll() is None and time.monotonic() < deadline:
+            if self._stopped():
+                return
+            time.sleep(0.0005)
+
+    def _stopped(self) -> bool:
+        """Every thread of the daemon is stopped (state T in /proc)."""
+        try:
+            tasks = Path(f"/proc/{self.proc.pid}/task")
+            return all(
+                (t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt"
+                for t in tasks.iterdir())
+        except OSError:
+            return False
 
     def resume(self) -> None:
         self._signal(signal.SIGCONT)

@@ -20,13 +20,15 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import msgspec
 import torch
 
 from . import wire
+from .base import Retrieved
 from .errors import (
+    ConnectorError,
     DaemonRejected,
     DaemonTimeout,
     DaemonUnavailable,
@@ -181,8 +183,13 @@ class LMCacheMPConnector:
 
     # -- plain operations ------------------------------------------------------
 
-    def _call(self, op: str, payloads: Sequence[object], timeout_s: float):
-        frame = self.transport.call(op, [wire.encode(p) for p in payloads], timeout_s)
+    def _call(self, op: str, payloads: Sequence[object], timeout_s: float, *,
+              request_id: str | None = None):
+        fence = None
+        if wire.OP_PLACES.get(op) == "affinity" and request_id is not None:
+            fence = self._affinity_fence(request_id)
+        frame = self.transport.call(op, [wire.encode(p) for p in payloads], timeout_s,
+                                    request_id=request_id, fence=fence)
         decoder = wire.DECODERS.get(op)
         if frame is None or decoder is None:
             return None
@@ -190,6 +197,18 @@ class LMCacheMPConnector:
             return decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(f"{op}: undecodable result ({exc})") from None
+
+    def _affinity_fence(self, request_id: str) -> tuple[str, list[bytes]]:
+        """A commit_retrieve of an empty range: served on the same worker thread as this
+        connection's transfers, releases nothing (no transfer has that key) and touches
+        only `request_id`'s session, which the deferred end_session removes."""
+        key = wire.CacheKey(model_name=self.model_name, world_size=self.world_size,
+                            worker_id=self.kv_rank, token_ids=(), start=0, end=0,
+                            request_id=request_id)
+        return "commit_retrieve", [wire.encode(key), wire.encode(self.instance_id)]
+
+    def unanswered(self, request_id: str | None = None) -> int:
+        return self.transport.unanswered(request_id)
 
     def noop(self, timeout_s: float) -> str:
         return self._call("noop", [], timeout_s)
@@ -230,8 +249,10 @@ class LMCacheMPConnector:
         if self.transfer == "shm":
             if not reply.shm_name or reply.pool_size <= 0:
                 raise DaemonRejected(
-                    "transfer 'shm' needs a daemon started with --shm-name NAME; this one "
-                    "offers no shared-memory pool (use transfer 'pickle' or restart it)"
+                    "transfer 'shm' needs a daemon started with --shm-name NAME "
+                    "--no-l1-use-lazy (a lazy L1 silently disables shared memory on GPU "
+                    "hosts); this one offers no shared-memory pool (use transfer 'pickle' "
+                    "or restart it with both flags)"
                 )
             if self._shm is not None:
                 self._shm.close()
@@ -243,20 +264,23 @@ class LMCacheMPConnector:
 
     def lookup(self, key: wire.CacheKey, timeout_s: float) -> None:
         """Start a prefetch of `key` (worker_id None); the hit comes from prefetch_status."""
-        self._call("lookup", [key, self.world_size], timeout_s)
+        self._call("lookup", [key, self.world_size], timeout_s, request_id=key.request_id)
 
     def query_prefetch_status(self, request_id: str, timeout_s: float) -> int | None:
         """Hit chunks, or None while running. Answers once: a lost reply reads as a miss."""
-        return self._call("query_prefetch_status", [request_id], timeout_s)
+        return self._call("query_prefetch_status", [request_id], timeout_s,
+                          request_id=request_id)
 
     def wait_prefetch_status(self, request_id: str, wait_s: float, timeout_s: float) -> int | None:
-        return self._call("wait_prefetch_status", [request_id, wait_s], timeout_s)
+        return self._call("wait_prefetch_status", [request_id, wait_s], timeout_s,
+                          request_id=request_id)
 
     def free_lookup_locks(self, key: wire.CacheKey, timeout_s: float) -> None:
-        self._call("free_lookup_locks", [key, self.world_size], timeout_s)
+        self._call("free_lookup_locks", [key, self.world_size], timeout_s,
+                   request_id=key.request_id)
 
     def end_session(self, request_id: str, timeout_s: float) -> None:
-        self._call("end_session", [request_id], timeout_s)
+        self._call("end_session", [request_id], timeout_s, request_id=request_id)
 
     def free_locks(self, token_ids: Sequence[int], request_id: str, start: int, end: int,
                    timeout_s: float, *, cache_salt: str = "") -> None:
@@ -330,25 +354,67 @@ class LMCacheMPConnector:
         timeout_s: float,
         skip: int = 0,
         cache_salt: str = "",
-    ) -> int:
+    ) -> Retrieved:
         """Copy tokens [start + skip, end) into `slots`; [start, end) is chunk-aligned and
         locked by a lookup of `request_id`; `skip` leading tokens are already cached by the
-        engine. Returns bytes landed. All or nothing: every chunk is validated before the
-        first byte is written to the pool."""
-        deadline = time.monotonic() + timeout_s
+        engine.
+
+        validate -> copy -> return: every chunk is checked before the first byte is written
+        to the pool, and once the copy has begun nothing raises. commit_retrieve is not
+        sent here: it comes back unsent (`Retrieved.commit`, or `exc.owed` on a raise after
+        prepare_retrieve answered) and the caller pays it off the request path. The shm
+        views stay valid until that commit, so copying before it is sound.
+        """
         if not 0 <= skip < self.chunk_size:
             raise ValueError(f"skip must be in [0, {self.chunk_size}), got {skip}")
         if len(slots) != end - start - skip:
             raise SlotsError(f"retrieve of tokens [{start + skip}, {end}) needs "
                              f"{end - start - skip} slots, got {len(slots)}")
+        self._check_slots(pool, slots, skip)
         key = self.key(token_ids, request_id, start=start, end=end, cache_salt=cache_salt)
-        reply = self._call("prepare_retrieve", [key, self.instance_id], timeout_s)
+        reply = self._call("prepare_retrieve", [key, self.instance_id], timeout_s,
+                           request_id=request_id)
         if reply is None or not reply.success:
             raise DaemonRejected(
                 f"prepare_retrieve [{start}, {end}) refused: the lookup locks are gone "
                 "(expired, freed, or the daemon restarted)"
             )
+        commit = self._owed_commit(key)
         n_chunks = (end - start) // self.chunk_size
+        try:
+            chunks = self._validated_chunks(reply, n_chunks)
+        except ConnectorError as exc:
+            exc.owed = commit
+            raise
+        scatter_skipping(self.layout, chunks, pool, slots, skip)
+        del chunks
+        return Retrieved(nbytes=n_chunks * self.layout.chunk_bytes, commit=commit)
+
+    def _check_slots(self, pool: KVPool, slots: torch.Tensor, skip: int) -> None:
+        """Refuse bad slots before prepare_retrieve: after it a raise would owe a commit,
+        and a skip copies in two steps that must not fail between them."""
+        head = self.chunk_size - skip if skip else 0
+        if head:
+            check_slots(dataclasses.replace(self.layout, chunk_size=head), slots[:head], head,
+                        pool_size=pool.num_slots)
+        check_slots(self.layout, slots[head:], len(slots) - head, pool_size=pool.num_slots)
+
+    def _owed_commit(self, key: wire.CacheKey) -> Callable[[float], bool]:
+        """commit_retrieve for `key`, unsent: releases the daemon's buffer and read locks
+        (shm) once paid. Raises DaemonRejected if the daemon refuses it."""
+
+        def commit(timeout_s: float) -> bool:
+            ok = self._call("commit_retrieve", [key, self.instance_id], timeout_s,
+                            request_id=key.request_id)
+            if self.transfer == "shm" and not ok:
+                raise DaemonRejected(f"commit_retrieve of {key.request_id} refused")
+            return True
+
+        return commit
+
+    def _validated_chunks(self, reply: wire.PrepareRetrieveReply,
+                          n_chunks: int) -> list[torch.Tensor]:
+        """The reply's chunks, each of the layout's shape and dtype, exactly `n_chunks`."""
         if self.transfer == "shm":
             chunks = self._shm_views(reply.context, n_chunks)
         else:
@@ -358,13 +424,7 @@ class LMCacheMPConnector:
             )
         if len(chunks) != n_chunks:
             raise ShortRead(f"prepare_retrieve returned {len(chunks)} of {n_chunks} chunks")
-        scatter_skipping(self.layout, chunks, pool, slots, skip)
-        del chunks
-        ok = self._call("commit_retrieve", [key, self.instance_id],
-                        max(0.0, deadline - time.monotonic()))
-        if self.transfer == "shm" and not ok:
-            raise DaemonRejected("commit_retrieve refused")
-        return n_chunks * self.layout.chunk_bytes
+        return chunks
 
     def _shm_views(self, context: wire.ShmContext, n_chunks: int) -> list[torch.Tensor]:
         if self._shm is None:
@@ -390,7 +450,8 @@ class LMCacheMPConnector:
             return True
         slots = check_slots(self.layout, slots[:end], end, pool_size=pool.num_slots)
         key = self.key(token_ids, request_id, end=end, cache_salt=cache_salt)
-        prep = self._call("prepare_store", [key, self.instance_id], timeout_s)
+        prep = self._call("prepare_store", [key, self.instance_id], timeout_s,
+                          request_id=request_id)
         left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
         if self.transfer == "shm":
             ctx = prep.context if prep is not None else wire.ShmContext()
@@ -404,10 +465,12 @@ class LMCacheMPConnector:
             gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots,
                           out=views, chunk_indices=list(ctx.chunk_indices))
             del views
-            return bool(self._call("commit_store", [key, self.instance_id, b""], left()))
+            return bool(self._call("commit_store", [key, self.instance_id, b""], left(),
+                                   request_id=request_id))
         chunks = gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots)
         data = dump_tensor_list(chunks)
-        return bool(self._call("commit_store", [key, self.instance_id, data], left()))
+        return bool(self._call("commit_store", [key, self.instance_id, data], left(),
+                               request_id=request_id))
 
     def close(self) -> None:
         if self._shm is not None:

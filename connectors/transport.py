@@ -9,12 +9,18 @@ Design choices, each answering one of the daemon's traps:
 - `IMMEDIATE=1`: nothing is queued while no connection exists, so requests made while
   the daemon is down are refused at once (DaemonUnavailable) instead of being delivered
   to whatever daemon binds the port next.
-- After a timeout the socket is drained (anything there is a late reply, counted and
-  dropped) and closed with linger 0; the next call builds a fresh one. A request stuck
-  in a dead connection's pipe therefore never reaches a restarted daemon.
+- After a timeout the socket is retired, never used for a call again (so a late reply
+  can never reach a later call), and a harmless fence request is sent behind the
+  abandoned one on it. The daemon serves a connection's requests of one place in order
+  (`wire.OP_PLACES`), so the fence's reply proves the abandoned request was served or
+  dropped: until then it counts in `unanswered()` (a served prepare_retrieve or lookup
+  re-creates its request's session, so ending that session must wait). Retired sockets
+  of an older daemon (`epoch`) are closed: what was queued there died with it.
 - `CONNECT_TIMEOUT`, `RECONNECT_IVL(_MAX)`: TCP connects never inherit the OS timeout.
 - A sentinel socket with a ZMQ monitor counts (re)connections: `epoch` increases when a
   new daemon process accepts us after a disconnect, which is how a restart is noticed.
+  A disconnect marks the daemon down at once: until a daemon accepts us again, calls
+  raise DaemonUnavailable without waiting (only calls already sent pay their deadline).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import msgspec
@@ -29,9 +36,31 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .errors import DaemonTimeout, DaemonUnavailable, ProtocolError, RequestDropped
-from .wire import OP_FRAMES
+from .wire import OP_FRAMES, OP_PLACES
 
 _uid_decoder = msgspec.msgpack.Decoder(int)
+
+#: Retired sockets kept for their fences; beyond this the oldest is closed and its calls
+#: are no longer tracked (a daemon hung through this many timeouts).
+MAX_RETIRED = 64
+
+#: The fence sent behind an abandoned request, by the place the daemon serves it in.
+#: "affinity" has no request without a key: the caller passes that fence.
+_PLACE_FENCES: dict[str, tuple[str, list[bytes]]] = {
+    "inline": ("noop", []),
+    "cpu": ("ping", [msgspec.msgpack.encode(None)]),
+}
+
+
+@dataclass
+class _Retired:
+    """A socket whose call timed out, kept until its fence answers or the daemon changes."""
+
+    sock: zmq.Socket
+    epoch: int
+    #: uid -> request id of the calls sent on it and never answered (the fence included).
+    pending: dict[int, str | None]
+    fence_uid: int | None
 
 
 class ZmqTransport:
@@ -57,6 +86,10 @@ class ZmqTransport:
         self._closed = False
         self.late_replies = 0
         self.sockets_replaced = 0
+        self._retired: list[_Retired] = []
+        self._retired_lock = threading.Lock()
+        #: Retired sockets closed over MAX_RETIRED before their fence answered.
+        self.fences_dropped = 0
         # Restart detection (see module docstring).
         self._epoch = 0
         self._connected_once = False
@@ -105,6 +138,64 @@ class ZmqTransport:
         sock.close(linger=0)
         self._local.sock = None
 
+    def _retire(self, sock: zmq.Socket, uid: int, request_id: str | None,
+                fence: tuple[str, list[bytes]] | None, epoch: int) -> None:
+        """Keep this thread's timed-out socket, with a fence behind the abandoned call."""
+        with self._lock:
+            self._sockets.pop(threading.get_ident(), None)
+            self.sockets_replaced += 1
+        self._local.sock = None
+        pending: dict[int, str | None] = {uid: request_id}
+        fence_uid = None
+        if fence is not None:
+            fence_uid = next(self._uids)
+            try:
+                sock.send_multipart([msgspec.msgpack.encode(fence_uid), OP_FRAMES[fence[0]],
+                                     *fence[1]], zmq.NOBLOCK, copy=False)
+                pending[fence_uid] = request_id
+            except zmq.ZMQError:
+                fence_uid = None  # no connection now: only the epoch can settle it
+        with self._retired_lock:
+            self._retired.append(_Retired(sock, epoch, pending, fence_uid))
+            self._sweep_retired(epoch)
+
+    def _sweep_retired(self, epoch: int) -> None:
+        """Read what retired sockets received; close those settled. Holds _retired_lock."""
+        keep = []
+        for r in self._retired:
+            if r.epoch == epoch:
+                while r.pending:
+                    try:
+                        reply = r.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.ZMQError:
+                        break
+                    try:
+                        reply_uid = _uid_decoder.decode(reply[0].buffer)
+                    except (msgspec.DecodeError, IndexError):
+                        continue
+                    if reply_uid == r.fence_uid:
+                        r.pending.clear()  # everything sent before it was served or dropped
+                    elif r.pending.pop(reply_uid, False) is not False:
+                        self.late_replies += 1
+                if r.pending:
+                    keep.append(r)
+                    continue
+            r.sock.close(linger=0)
+        while len(keep) > MAX_RETIRED:
+            keep.pop(0).sock.close(linger=0)
+            self.fences_dropped += 1
+        self._retired = keep
+
+    def unanswered(self, request_id: str | None = None) -> int:
+        """Calls for `request_id` (None: any) sent to the current daemon that it may still
+        serve: never answered, and no later request of the same place answered on their
+        connection. 0 once each is proven answered or dropped, or the daemon changed."""
+        epoch = self.epoch
+        with self._retired_lock:
+            self._sweep_retired(epoch)
+            return sum(1 for r in self._retired for rid in r.pending.values()
+                       if request_id is None or rid == request_id)
+
     @staticmethod
     def _drain(sock: zmq.Socket) -> int:
         n = 0
@@ -120,7 +211,8 @@ class ZmqTransport:
     # -- calls ---------------------------------------------------------------
 
     def call(
-        self, op: str, payloads: Sequence[bytes], timeout_s: float, *, probe: bool = False
+        self, op: str, payloads: Sequence[bytes], timeout_s: float, *, probe: bool = False,
+        request_id: str | None = None, fence: tuple[str, list[bytes]] | None = None,
     ) -> memoryview | None:
         """Send `op` and wait at most `timeout_s` for its reply.
 
@@ -131,8 +223,16 @@ class ZmqTransport:
         `probe=True` (for ops the daemon answers inline, in arrival order, like
         registration): a noop follows `op` on the same connection, so a noop answer that
         arrives first proves the daemon dropped `op` unanswered: RequestDropped.
+
+        `request_id`: the request `op` acts for, counted by `unanswered()` when it times
+        out. `fence`: (op, payloads) sent behind it then, served in the same place as `op`
+        (default: by `wire.OP_PLACES`; the caller must pass one for "affinity" ops).
         """
         deadline = time.monotonic() + max(0.0, timeout_s)
+        if self._down:
+            raise DaemonUnavailable(
+                f"{op}: the LMCache daemon at {self.endpoint} disconnected and has not "
+                "accepted us again yet; check that it runs (calls resume once it does)")
         sock = self._socket()
         uid = next(self._uids)
         op_frame = OP_FRAMES[op]
@@ -153,7 +253,9 @@ class ZmqTransport:
                 if answered:  # the probe's answer is late; ours is in hand
                     self._discard_socket(sock)
                     return result
-                self._discard_socket(sock)
+                if fence is None:
+                    fence = _PLACE_FENCES.get(OP_PLACES.get(op, ""))
+                self._retire(sock, uid, request_id, fence, self.epoch)
                 raise DaemonTimeout(op, timeout_s)
             reply = sock.recv_multipart(copy=False)
             try:
@@ -186,9 +288,15 @@ class ZmqTransport:
             except zmq.Again:
                 pass
             remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not sock.poll(max(1, int(remaining_ms)), zmq.POLLOUT):
-                if time.monotonic() < deadline:
+            # In slices: a disconnect seen meanwhile ends the wait at once.
+            if remaining_ms <= 0 or not sock.poll(max(1, min(5, int(remaining_ms))),
+                                                  zmq.POLLOUT):
+                if time.monotonic() < deadline and not self._down:
                     continue
+                if self._down:
+                    raise DaemonUnavailable(
+                        f"{op}: the LMCache daemon at {self.endpoint} disconnected; check "
+                        "that it runs (calls resume once it accepts us again)")
                 raise DaemonUnavailable(
                     f"{op}: no connection to the LMCache daemon at {self.endpoint} within "
                     f"{timeout_s * 1000:.0f} ms (refused, down or not accepting); "
@@ -196,6 +304,12 @@ class ZmqTransport:
                 )
 
     # -- restart detection ---------------------------------------------------
+
+    @property
+    def _down(self) -> bool:
+        """A disconnect was seen and no daemon has accepted us since."""
+        self.epoch  # reads the monitor's events
+        return self._disconnected
 
     @property
     def epoch(self) -> int:
@@ -222,6 +336,10 @@ class ZmqTransport:
             for sock in self._sockets.values():
                 sock.close(linger=0)
             self._sockets.clear()
+            with self._retired_lock:
+                for r in self._retired:
+                    r.sock.close(linger=0)
+                self._retired.clear()
             self._sentinel.disable_monitor()
             self._monitor.close(linger=0)
             self._sentinel.close(linger=0)

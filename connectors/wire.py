@@ -39,6 +39,22 @@ OP_IDS: dict[str, int] = {
 _encoder = msgspec.msgpack.Encoder()
 OP_FRAMES: dict[str, bytes] = {op: _encoder.encode(i) for op, i in OP_IDS.items()}
 
+# Where the 0.5.6 daemon runs each handler (lmcache/v1/multiprocess/transport/zmq_impl):
+# "inline" on its socket loop, in arrival order; "affinity" on the worker thread bound to
+# the client connection, FIFO; "cpu" on the shared worker pool (FIFO only with the default
+# single CPU worker, --max-cpu-workers 1). A reply to a later request of the same place
+# and connection therefore proves an earlier one was served or dropped.
+OP_PLACES: dict[str, str] = {
+    "noop": "inline", "get_chunk_size": "inline",
+    "register_kv_cache_engine_driven_context": "inline",
+    "unregister_kv_cache_engine_driven_context": "inline",
+    "prepare_store": "affinity", "commit_store": "affinity",
+    "prepare_retrieve": "affinity", "commit_retrieve": "affinity",
+    "store": "affinity", "retrieve": "affinity",
+    "lookup": "cpu", "query_prefetch_status": "cpu", "wait_prefetch_status": "cpu",
+    "free_lookup_locks": "cpu", "end_session": "cpu", "ping": "cpu", "clear": "cpu",
+}
+
 
 class CacheKey(msgspec.Struct, frozen=True):
     """IPCCacheServerKey of 0.5.6, field for field (order and names matter)."""

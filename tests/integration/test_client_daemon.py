@@ -49,9 +49,10 @@ def round_trip(d: DaemonProcess, layout: KVLayout, n_tokens: int, transfer="pick
         assert c.store_from(toks, "store-1", pool, src, timeout_s=10)
         c.end_session("store-1", 1)
         assert c.lookup_hit_tokens(toks, "load-1", 5) == n_tokens
-        nbytes = c.retrieve_into(toks, "load-1", pool, dst, start=0, end=n_tokens, timeout_s=10)
+        landed = c.retrieve_into(toks, "load-1", pool, dst, start=0, end=n_tokens, timeout_s=10)
+        assert landed.commit(1) is True
         c.end_session("load-1", 1)
-        assert nbytes == n_tokens * layout.bytes_per_token
+        assert landed.nbytes == n_tokens * layout.bytes_per_token
         return pool, src, dst
     finally:
         c.close()

@@ -78,7 +78,8 @@ def test_transparent_proxy_round_trips_kv_byte_exact(stored, proxy):
     rid = lookup(connector)
     assert not same_kv(kv_of(pool, SRC), kv_of(pool, DST))
     landed = connector.retrieve_into(TOKENS, rid, pool, DST, start=0, end=64, timeout_s=5.0)
-    assert landed == 4 * connector.layout.chunk_bytes
+    assert landed.nbytes == 4 * connector.layout.chunk_bytes
+    landed.commit(5.0)
     assert same_kv(kv_of(pool, SRC), kv_of(pool, DST))
     st = proxy.stats
     assert st["requests"]["prepare_retrieve"] == st["replies"]["prepare_retrieve"] == 1
@@ -179,10 +180,12 @@ def test_corrupt_kv_reply_leaves_destination_slots_unchanged(stored, proxy, acti
     rid = lookup(connector)
     before = kv_of(pool, DST)
     proxy.add_rule(FaultRule(action, op="prepare_retrieve"))
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError) as err:
         connector.retrieve_into(TOKENS, rid, pool, DST, start=0, end=64, timeout_s=5.0)
     assert proxy.stats[action] == 1
     assert same_kv(kv_of(pool, DST), before)
+    assert err.value.owed is not None  # prepare_retrieve answered: its commit is owed
+    assert err.value.owed(2.0) is True
     connector.free_locks(TOKENS, rid, 0, 64, 2.0)
 
 

@@ -1,0 +1,132 @@
+"""Calls the daemon may still serve are counted until proven served or dropped, so that a
+session is ended only after everything that could re-create it (a queued prepare_retrieve
+or lookup) has run; real lmcache 0.5.6 daemon, stopped with SIGSTOP."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from connectors.daemon import DaemonProcess
+from connectors.errors import DaemonTimeout
+from connectors.lmcache_mp import LMCacheMPConnector
+from tests.conftest import CHUNK, make_pool
+
+pytestmark = [pytest.mark.daemon, pytest.mark.timeout(120)]
+
+
+def wait_for(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = DaemonProcess(chunk_size=CHUNK, http=True).start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def conn(daemon, layout):
+    daemon.resume()
+    c = LMCacheMPConnector(daemon.endpoint, layout)
+    c.register(5.0)
+    yield c
+    daemon.resume()
+    c.close()
+
+
+def stored_and_looked_up(c: LMCacheMPConnector, layout, n: int = 256):
+    pool = make_pool(layout, 2 * n)
+    toks = torch.randint(0, 32000, (n,)).tolist()
+    sid = "s-" + uuid.uuid4().hex
+    assert c.store_from(toks, sid, pool, torch.arange(n), timeout_s=10.0)
+    c.end_session(sid, 2.0)
+    rid = "r-" + uuid.uuid4().hex
+    assert c.lookup_hit_tokens(toks, rid, 5.0) == n
+    return pool, toks, rid
+
+
+def sessions(d: DaemonProcess) -> int:
+    return d.held()["sessions"]
+
+
+def test_abandoned_prepare_retrieve_counts_until_served_then_the_session_ends_for_good(
+        daemon, conn, layout):
+    pool, toks, rid = stored_and_looked_up(conn, layout)
+    conn.end_session(rid, 2.0)
+    assert sessions(daemon) == 0
+    daemon.pause()
+    with pytest.raises(DaemonTimeout):
+        conn.retrieve_into(toks, rid, pool, torch.arange(256, 512), start=0, end=256,
+                           timeout_s=0.1)
+    assert conn.unanswered(rid) == 2  # prepare_retrieve and the fence behind it
+    assert conn.unanswered("another-request") == 0
+    assert conn.unanswered() == 2
+    daemon.resume()
+    wait_for(lambda: conn.unanswered(rid) == 0)
+    # Everything sent was served: the abandoned call re-created the session, and an
+    # end_session sent now is the last word on it.
+    assert sessions(daemon) == 1
+    conn.end_session(rid, 2.0)
+    assert sessions(daemon) == 0
+    assert conn.late_replies >= 1  # the prepare_retrieve reply, dropped
+
+
+def test_abandoned_lookup_counts_until_served(daemon, conn, layout):
+    toks = list(range(64))
+    rid = "l-" + uuid.uuid4().hex
+    daemon.pause()
+    with pytest.raises(DaemonTimeout):
+        conn.lookup(conn.key(toks, rid, lookup=True), 0.05)
+    assert conn.unanswered(rid) == 2
+    daemon.resume()
+    wait_for(lambda: conn.unanswered(rid) == 0)
+    conn.end_session(rid, 2.0)
+    assert sessions(daemon) == 0
+
+
+def test_abandoned_call_dropped_by_the_daemon_is_settled_by_the_fence(daemon, conn, layout):
+    """A handler that raises sends no reply at all: only the fence can tell."""
+    c2 = LMCacheMPConnector(daemon.endpoint, layout)  # never registered: the daemon drops it
+    try:
+        rid = "d-" + uuid.uuid4().hex
+        key = c2.key(list(range(32)), rid)
+        with pytest.raises(DaemonTimeout):
+            c2._call("prepare_retrieve", [key, c2.instance_id], 0.1, request_id=rid,)
+        c2.register(5.0)  # the fence (a commit_retrieve) needs the registration too
+        # The fence sent on timeout was dropped as well (unregistered): still counted.
+        assert c2.unanswered(rid) == 2
+    finally:
+        c2.close()
+    daemon.pause()
+    rid = "n-" + uuid.uuid4().hex
+    with pytest.raises(DaemonTimeout):  # bad arity: the lookup handler raises, no reply
+        conn._call("lookup", [rid], 0.05, request_id=rid)
+    daemon.resume()
+    wait_for(lambda: conn.unanswered(rid) == 0)
+
+
+def test_a_restarted_daemon_settles_what_the_old_one_never_answered(layout):
+    d = DaemonProcess(chunk_size=CHUNK, http=True).start()
+    c = LMCacheMPConnector(d.endpoint, layout, connect_timeout_s=0.2)
+    try:
+        c.register(5.0)
+        epoch = c.epoch
+        d.pause()
+        with pytest.raises(DaemonTimeout):
+            c.lookup(c.key(list(range(64)), "gone", lookup=True), 0.05)
+        assert c.unanswered("gone") == 2
+        d.restart()
+        wait_for(lambda: c.epoch > epoch)
+        assert c.unanswered("gone") == 0
+        assert d.held()["sessions"] == 0
+    finally:
+        c.close()
+        d.stop()
