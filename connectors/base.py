@@ -10,7 +10,7 @@ block longer, never retry, never count metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -36,6 +36,7 @@ class Retrieved:
     ready: object | None = None
 
 
+@runtime_checkable
 class Connector(Protocol):
     layout: KVLayout
 

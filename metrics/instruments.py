@@ -173,6 +173,10 @@ class LoadbackMetrics:
         self.late_replies = Counter("loadback_late_replies_total",
                                     "Daemon replies that arrived after their deadline and were dropped.",
                                     registry=reg)
+        self.stale_releases = Counter("loadback_stale_releases_dropped_total",
+                                      "Releases owed to a daemon that has since restarted, "
+                                      "dropped unsent (the new daemon never held them).",
+                                      registry=reg)
         # livemin: a rank still on an old config shows as the lower generation.
         self.config_gen = Gauge("loadback_config_generation", "Generation of the config in effect.",
                                 registry=reg, multiprocess_mode="livemin")
@@ -277,6 +281,9 @@ class LoadbackMetrics:
 
     def late_reply(self, n: int = 1) -> None:
         self.late_replies.inc(n)
+
+    def stale_release_dropped(self, n: int = 1) -> None:
+        self.stale_releases.inc(n)
 
     def config_generation(self, n: int) -> None:
         self.config_gen.set(n)

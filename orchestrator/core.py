@@ -4,45 +4,44 @@ Who calls it: the SGLang cache hook (match_prefix -> `match`, init_load_back ->
 `load_back`, cache_finished_req -> `store` + `finish`, abort -> `abort`), the demo, the
 chaos harness and the benchmarks. Nothing here may block past a deadline or raise into
 the engine for a daemon failure: failures become `degraded` with a reason, and the
-engine recomputes. Where a RETRIEVE is sent: `_retrieve`; where its deadline is
-decided: `load_back` (config.deadlines.retrieve_s); where its outcome is counted: `_settle`.
-Keeping the daemon relationship alive (heartbeat, registration, owed releases) lives in
-`upkeep.py`.
+engine recomputes. Where a RETRIEVE is sent: `_retrieve`; where its deadline is decided:
+`load_back` (config.deadlines.retrieve_s); what a failure means: `failures.FAILURES`;
+where its outcome is counted: `_settle`. What the daemon is owed, and the heartbeat, live
+in the `DaemonLink` (link.py); which read locks are still ours to free, in `Lease`.
+
+Tensor parallel: every rank makes the same sequence of collectives on every path of
+`match` and `load_back` (SGLang's scheduler is SPMD), so no rank waits alone.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from connectors.base import Connector, Retrieved
 from connectors.errors import (
     ConnectorError,
     DaemonRejected,
     DaemonTimeout,
     DaemonUnavailable,
-    ProtocolError,
-    ShortRead,
     SlotsError,
 )
 from metrics import LoadbackMetrics
 
 from .config import ConfigError, LoadBackConfig
+from .failures import LookupUnsettled, classify
 from .instruments import product_metrics
-from .policies import (
-    BreakEvenGuard,
-    CircuitBreaker,
-    Clock,
-    monotonic,
-    run_with_retries,
-)
+from .leases import Lease, RequestKey
+from .link import DaemonLink
+from .policies import BreakEvenGuard, CircuitBreaker, Clock, monotonic, run_with_retries
 from .results import LoadResult, MatchResult
-from .states import DegradeReason, PrefixState, fire, transition_pairs
+from .states import DegradeReason, PrefixState, fire
 from .tp import TPAgreement
-from .upkeep import DaemonUpkeep, _Debt
 
 log = logging.getLogger("loadback")
 R = DegradeReason
@@ -53,68 +52,57 @@ S = PrefixState
 class Prefix:
     """One request prefix's walk through the machine, and the marker of its promise."""
 
-    request_id: str
-    token_ids: tuple[int, ...]
+    key: RequestKey
     local_tokens: int
-    cache_salt: str
-    epoch: int
+    epoch: int                    # the daemon incarnation its LOOKUP went to
+    lease: Lease
     state: str = S.LOOKING_UP.value
     hit_tokens: int = 0
-    locked_from: int = 0          # chunks [locked_from, hit) still hold lookup read locks
+    retrieve_from: int = 0        # chunk-aligned start of the range to retrieve
     reason: DegradeReason | None = None
     attempts: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.key.request_id
 
     @property
     def promised_tokens(self) -> int:
         return max(0, self.hit_tokens - self.local_tokens)
 
 
-class LoadBackOrchestrator(DaemonUpkeep):
+class LoadBackOrchestrator:
     def __init__(
         self,
         config: LoadBackConfig,
-        connector,
+        connector: Connector,
         *,
         metrics: LoadbackMetrics | None = None,
         tp_group=None,
         kv_pool=None,
         clock: Clock = monotonic,
+        sleep: Callable[[float], None] = time.sleep,
         start_heartbeat: bool | None = None,
     ) -> None:
         self.config = config
         self.connector = connector
         self.kv_pool = kv_pool
         self.clock = clock
+        self.sleep = sleep
         self.metrics = metrics or product_metrics()
         self.tp = TPAgreement(tp_group)
         self.breaker = CircuitBreaker(config.breaker, clock=clock, on_change=self.metrics.breaker)
         self.break_even = BreakEvenGuard(config.break_even, connector.layout.bytes_per_token)
         self._live: dict[str, Prefix] = {}
-        self._sessions: set[str] = set()
-        self._debts: list[_Debt] = []
+        self._sessions: dict[str, int] = {}  # request -> daemon epoch its last call went to
         self._lock = threading.RLock()
-        self._registered_epoch: int | None = None
-        self._suspect = False  # a call went unanswered: re-register (idempotent) next tick
-        self._late_seen = 0
         self._closed = False
         self._on_close: list[Callable[[], None]] = []
         self.generation = 1
-        self._wake = threading.Event()
-        self._stop = threading.Event()
         self.metrics.set_daemon_up(False)
         self.metrics.config_generation(1)
-        self._pay_lock = threading.Lock()
-        self._release_wake = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._background = bool(start_heartbeat if start_heartbeat is not None
-                                else config.heartbeat.enabled)
-        if self._background:
-            # Startup never blocks on the daemon: registration happens on the heartbeat.
-            for name, target in (("heartbeat", self._heartbeat_loop),
-                                 ("releaser", self._releaser_loop)):
-                t = threading.Thread(target=target, name=f"loadback-{name}", daemon=True)
-                t.start()
-                self._threads.append(t)
+        self.link = DaemonLink(connector, config, self.breaker, self.metrics, background=bool(
+            start_heartbeat if start_heartbeat is not None else config.heartbeat.enabled))
 
     # ------------------------------------------------------------------ match
 
@@ -131,53 +119,44 @@ class LoadBackOrchestrator(DaemonUpkeep):
         aligned = len(token_ids) // chunk * chunk
         if aligned - local_hit_tokens < max(1, self.config.break_even.min_tokens):
             return MatchResult()  # the daemon cannot add enough to matter: do not even ask
-        if not self.breaker.allow() or not self._registered():
-            open_ = not self.breaker.allow()
-            if open_ and self.connector.epoch != self._registered_epoch:
-                self._wake.set()  # a new daemon is there: let the heartbeat probe it now
+        is_open = not self.breaker.allow()
+        if is_open or not self.link.registered():
+            if is_open and self.connector.epoch != self.link.registered_epoch:
+                self.link.wake()  # a new daemon is there: let the heartbeat probe it now
             # Other TP ranks may be asking: join the decision with a "cannot" (-1).
             self.tp.min(-1)
             self.metrics.observe_lookup(None, "skipped")
-            return MatchResult(reason=R.BREAKER_OPEN if open_ else None)
+            return MatchResult(reason=R.BREAKER_OPEN if is_open else None)
         start = self.clock()
-        p = Prefix(request_id, tuple(token_ids), local_hit_tokens, cache_salt,
-                   epoch=self._registered_epoch)
-        with self._lock:
-            self._sessions.add(request_id)
+        key = RequestKey.of(request_id, token_ids, cache_salt)
+        epoch = self.link.registered_epoch
+        p = Prefix(key, local_hit_tokens, epoch, Lease(key, epoch))
+        self._touch_session(request_id, epoch)
         hit, reason = self._lookup(p, self.config.deadlines.lookup_ms / 1000)
         # One decision across TP ranks: a failed rank reports -1, the minimum wins.
         agreed = self.tp.min(hit if reason is None else -1)
         result = "error" if agreed < 0 else "hit" if agreed > local_hit_tokens else "miss"
         self.metrics.observe_lookup(self.clock() - start, result)
         if agreed <= local_hit_tokens:
-            if hit > 0:
-                self._free_locks(p, 0, hit)
+            self._free(p, 0, hit)
             if agreed < 0:
                 self._enter(p)
-                self._finish_degraded(p, reason or R.TP_PEER_FAILED, locks=False)
+                self._finish_degraded(p, reason or R.TP_PEER_FAILED)
                 return self._match_result(p)
             return MatchResult()  # a clean miss leaves no machine
         p.hit_tokens = agreed
         self._enter(p)
         self._fire(p, "hit")
-        if hit > agreed:
-            self._free_locks(p, agreed, hit)  # this rank holds more than the group agreed on
+        self._free(p, agreed, hit)  # this rank may hold more than the group agreed on
         # Bandwidth is learned per rank: the break-even verdict is agreed on too.
-        worth = self.tp.min(int(self.break_even.worth_loading(p.promised_tokens)))
-        if not worth:
-            self._finish_degraded(p, R.BELOW_BREAK_EVEN, locks=True)
+        if not self.tp.min(int(self.break_even.worth_loading(p.promised_tokens))):
+            self._finish_degraded(p, R.BELOW_BREAK_EVEN)
             return self._match_result(p)
         # Chunks the engine already has are not retrieved: release their locks now.
-        p.locked_from = local_hit_tokens // chunk * chunk
-        if p.locked_from:
-            self._free_locks(p, 0, p.locked_from)
+        p.retrieve_from = local_hit_tokens // chunk * chunk
+        self._free(p, 0, p.retrieve_from)
         self._fire(p, "mark")
         return self._match_result(p)
-
-    @staticmethod
-    def _match_result(p: Prefix) -> MatchResult:
-        marked = p.state == S.MARKED.value
-        return MatchResult(p.promised_tokens if marked else 0, PrefixState(p.state), p.reason)
 
     def _lookup(self, p: Prefix, budget_s: float) -> tuple[int, DegradeReason | None]:
         deadline = self.clock() + budget_s
@@ -186,30 +165,36 @@ class LoadBackOrchestrator(DaemonUpkeep):
             left = deadline - self.clock()
             if left <= 0:
                 raise DaemonTimeout("lookup", budget_s)
-            try:
-                return self.connector.lookup_hit_tokens(
-                    p.token_ids, p.request_id, left, cache_salt=p.cache_salt)
-            except DaemonUnavailable:
-                raise  # nothing was sent
-            except ConnectorError:
-                self._owe_settle(p)
-                raise
+            return self._send_lookup(p, left)
 
         try:
-            # A lookup is repeated only when nothing was sent (a timed-out one may run).
-            hit = run_with_retries(attempt, self.config.retries, budget_s, only=DaemonUnavailable,
+            hit = run_with_retries(attempt, self.config.retries, budget_s, clock=self.clock,
+                                   sleep=self.sleep,
                                    before_retry=lambda _s: self.metrics.retry("lookup"))
-            self.breaker.record(True)
-            return hit, None
-        except DaemonTimeout:
-            self.breaker.record(False)
-            self.metrics.timeout("lookup")
-            self._suspect = True
-            return 0, R.LOOKUP_TIMEOUT
         except ConnectorError as exc:
-            self.breaker.record(False)
-            log.debug("lookup %s failed: %s", p.request_id, exc)
-            return 0, R.LOOKUP_ERROR
+            return 0, self._failed("lookup", exc, p.request_id)
+        self.breaker.record(True)
+        return hit, None
+
+    def _send_lookup(self, p: Prefix, timeout_s: float) -> int:
+        """One LOOKUP; on an answer the prefix's lease holds [0, hit). Any failure but
+        "not sent" may leave a LOOKUP running: it is settled off the request path (its
+        result waited for, what it locked released) and never overlapped by another."""
+        k = p.key
+        try:
+            hit = self.connector.lookup_hit_tokens(k.token_ids, k.request_id, timeout_s,
+                                                   cache_salt=k.cache_salt)
+        except DaemonUnavailable:
+            raise
+        except ConnectorError as exc:
+            p.lease.forfeit()
+            self.link.owe("settle_lookup", k.request_id, p.epoch, lambda t: (
+                self.connector.settle_lookup(k.token_ids, k.request_id, t,
+                                             cache_salt=k.cache_salt)),
+                idempotent=True)
+            raise LookupUnsettled(exc) from exc
+        p.lease = Lease(k, p.epoch, 0, hit)
+        return hit
 
     # -------------------------------------------------------------- load_back
 
@@ -220,164 +205,158 @@ class LoadBackOrchestrator(DaemonUpkeep):
         with self._lock:
             p = self._live.get(request_id)
         if p is None or p.state != S.MARKED.value:
-            state = PrefixState(p.state) if p else None
-            return LoadResult(0, state, p.reason if p else None)
+            return LoadResult(0, PrefixState(p.state) if p else None, p.reason if p else None)
         n = p.promised_tokens
-        if slots is None or len(slots) == 0:
-            self._finish_degraded(p, R.ALLOC_FAILED, locks=True)
-            return self._result(p, start)
-        if len(slots) != n:
-            self._finish_degraded(p, R.BAD_SLOTS, locks=True)
-            raise SlotsError(
-                f"load_back({request_id!r}): got {len(slots)} KV slots for {n} promised tokens; "
-                f"allocate exactly the host_hit_length that match() returned ({n})")
         # Rank-local reasons not to try; every rank joins the same two decisions.
-        local = (R.ALLOC_FAILED if self.kv_pool is None
+        local = (R.ALLOC_FAILED if slots is None or len(slots) == 0 or self.kv_pool is None
+                 else R.BAD_SLOTS if len(slots) != n
                  else R.DAEMON_RESTARTED if self.connector.epoch != p.epoch
                  else R.BREAKER_OPEN if not self.breaker.allow() else None)
         if not self.tp.min(int(local is None)):
-            self._finish_degraded(p, local or R.TP_PEER_FAILED,
-                                  locks=local != R.DAEMON_RESTARTED)
+            self._finish_degraded(p, local or R.TP_PEER_FAILED)
+            if local == R.BAD_SLOTS:
+                raise SlotsError(
+                    f"load_back({request_id!r}): got {len(slots)} KV slots for {n} promised "
+                    f"tokens; allocate exactly the tokens that match() returned ({n})")
             return self._result(p, start)
         self._fire(p, "start_retrieve")
-        budget = self.config.deadlines.retrieve_s(n)
-        nbytes, reason = self._retrieve(p, slots, budget)
-        ok = self.tp.min(1 if reason is None else 0)
+        got, reason, bad = self._retrieve(p, slots, self.config.deadlines.retrieve_s(n))
+        ok = self.tp.min(int(reason is None))
         self.metrics.observe_retrieve(self.clock() - start)
         if ok:
-            self.break_even.observe(nbytes, self.clock() - start)
+            self.break_even.observe(got.nbytes, self.clock() - start)
             self._fire(p, "land")
-            self._settle(p, loaded_bytes=nbytes)
+            self._settle(p, loaded_bytes=got.nbytes)
         else:
-            # Locks were released by the successful prepare_retrieve or are owed already.
-            self._finish_degraded(p, reason or R.TP_PEER_FAILED, locks=False)
+            self._finish_degraded(p, reason or R.TP_PEER_FAILED)
+        if bad is not None:
+            raise bad
         return self._result(p, start)
 
     def _retrieve(self, p: Prefix, slots: torch.Tensor, budget_s: float
-                  ) -> tuple[int, DegradeReason | None]:
+                  ) -> tuple[Retrieved | None, DegradeReason | None, SlotsError | None]:
         deadline = self.clock() + budget_s
-        start, end = p.locked_from, p.hit_tokens
-        skip = p.local_tokens - start
-        last: list[BaseException] = []
+        start, end = p.retrieve_from, p.hit_tokens
+        failed: list[BaseException] = []  # this load_back's failed attempts
 
-        def attempt() -> int:
+        def attempt() -> Retrieved:
             left = deadline - self.clock()
             if left <= 0:
                 raise DaemonTimeout("retrieve", budget_s)
-            if p.attempts > 0 and not isinstance(last[-1], DaemonUnavailable):
+            if p.attempts > 0 and not isinstance(failed[-1], DaemonUnavailable):
                 # A lost reply may have consumed the locks: look up again first.
-                try:
-                    hit = self.connector.lookup_hit_tokens(
-                        p.token_ids, p.request_id, left, cache_salt=p.cache_salt)
-                except DaemonUnavailable:
-                    raise
-                except ConnectorError as exc:
-                    # This LOOKUP may hold locks now: settle it, and stop retrying so no
-                    # other LOOKUP of this request overlaps the settling.
-                    self._owe_settle(p)
-                    exc.final = True
-                    raise
+                hit = self._send_lookup(p, left)
                 if hit < end:
-                    if hit:
-                        self._free_locks(p, 0, hit)
+                    self._free(p, 0, hit)
                     raise DaemonRejected(f"re-lookup found {hit} of {end} tokens")
-                if start:
-                    self._free_locks(p, 0, start)
-                if hit > end:
-                    self._free_locks(p, end, hit)
+                self._free(p, 0, start)
+                self._free(p, end, hit)
                 left = deadline - self.clock()
             p.attempts += 1
-            try:
-                return self.connector.retrieve_into(
-                    p.token_ids, p.request_id, self.kv_pool, slots, start=start, end=end,
-                    timeout_s=left, skip=skip, cache_salt=p.cache_salt)
-            except ConnectorError as exc:
-                # Only a refusal leaves the locks with us; a reply (or a request the daemon
-                # may still process) releases them daemon-side, and freeing twice would
-                # strip another reader's lock: those wait for the daemon's read TTL.
-                last.append(exc)
-                if isinstance(exc, DaemonRejected):
-                    self._free_locks(p, start, end)
-                raise
+            return self._send_retrieve(p, slots, start, end, left, failed)
 
         try:
-            nbytes = run_with_retries(attempt, self.config.retries, budget_s,
-                                      before_retry=lambda _s: self._before_retry(p))
-            self.breaker.record(True)
-            return nbytes, None
-        except SlotsError:
-            raise
+            got = run_with_retries(attempt, self.config.retries, budget_s, clock=self.clock,
+                                   sleep=self.sleep, before_retry=lambda _s: self._before_retry(p))
+        except SlotsError as exc:
+            return None, R.BAD_SLOTS, exc
         except ConnectorError as exc:
-            self.breaker.record(False)
-            self._suspect = True
-            if isinstance(exc, DaemonTimeout):
-                self.metrics.timeout("retrieve")
-                return 0, R.RETRIEVE_TIMEOUT
-            if isinstance(exc, ShortRead):
-                return 0, R.SHORT_READ
-            if isinstance(exc, ProtocolError):
-                return 0, R.CORRUPT_DATA
-            return 0, R.RETRIEVE_ERROR
+            return None, self._failed("retrieve", exc, p.request_id), None
+        self.breaker.record(True)
+        return got, None, None
 
-    def _owe_settle(self, p: Prefix) -> None:
-        """The LOOKUP may have run (or its one-shot status reply was lost): settle it (wait
-        for its result, release what it locked) before anything else of this request."""
-        self._owe(_Debt("settle_lookup", p.request_id, lambda t: (
-            self.connector.settle_lookup(p.token_ids, p.request_id, t, cache_salt=p.cache_salt)),
-            max_tries=20, idempotent=True))
-        self._release_wake.set()
+    def _send_retrieve(self, p: Prefix, slots, start: int, end: int, timeout_s: float,
+                       failed: list[BaseException]) -> Retrieved:
+        """One RETRIEVE. Once it returns, the load has landed (every byte in the slots, or
+        once `ready` completes): its commit becomes a release owed off the request path."""
+        k, epoch = p.key, self.connector.epoch
+        try:
+            got = self.connector.retrieve_into(
+                k.token_ids, k.request_id, self.kv_pool, slots, start=start, end=end,
+                timeout_s=timeout_s, skip=p.local_tokens - start, cache_salt=k.cache_salt)
+        except ConnectorError as exc:
+            failed.append(exc)
+            self._owe_commit(p, exc.owed, None, epoch)
+            if not isinstance(exc, (DaemonUnavailable, DaemonRejected)):
+                p.lease.forfeit()  # prepare_retrieve reached the daemon, which releases them
+            raise
+        if not isinstance(got, Retrieved):
+            got = Retrieved(int(got))  # a connector that still commits inline
+        p.lease.forfeit()  # the answered prepare_retrieve took the locks over
+        self._owe_commit(p, got.commit, got.ready, epoch)
+        return got
+
+    def _owe_commit(self, p: Prefix, commit, ready, epoch: int) -> None:
+        if commit is not None:
+            self.link.owe("commit_retrieve", p.request_id, epoch, commit,
+                          ready=None if ready is None else ready.query)
 
     def _before_retry(self, p: Prefix) -> None:
         self.metrics.retry("retrieve")
         self._fire(p, "retry")
+
+    def _failed(self, phase: str, exc: ConnectorError, request_id: str) -> DegradeReason | None:
+        """Apply the failure table's verdict: breaker, timeout counter, suspicion."""
+        out = classify(phase, exc)
+        self.breaker.record(out.breaker_ok)
+        if out.timeout_op:
+            self.metrics.timeout(out.timeout_op)
+        if out.suspect:
+            self.link.suspect()
+        log.debug("%s %s failed: %s", phase, request_id, exc)
+        return out.reason
 
     # ------------------------------------------------------------ store/finish
 
     def store(self, request_id: str, token_ids: Sequence[int], slots: torch.Tensor,
               *, cache_salt: str = "") -> bool:
         """STORE the finished request's whole chunks (bounded by deadlines.store_ms)."""
-        if self.kv_pool is None or not self.breaker.allow() or not self._registered():
+        if self.kv_pool is None or not self.breaker.allow() or not self.link.registered():
             return False
         if len(token_ids) < self.connector.chunk_size:
             return True
-        with self._lock:
-            self._sessions.add(request_id)
+        self._touch_session(request_id, self.connector.epoch)
         try:
             ok = self.connector.store_from(token_ids, request_id, self.kv_pool, slots,
                                            timeout_s=self.config.deadlines.store_ms / 1000,
                                            cache_salt=cache_salt)
-            self.breaker.record(True)
-            return ok
-        except SlotsError:
-            raise
         except ConnectorError as exc:
-            self.breaker.record(False)
-            if isinstance(exc, DaemonTimeout):
-                self.metrics.timeout("store")
-            log.debug("store %s failed: %s", request_id, exc)
+            self._failed("store", exc, request_id)
             return False
+        self.breaker.record(True)
+        return ok
 
     def finish(self, request_id: str) -> None:
-        """The request is done: settle its prefix (a promise never loaded is aborted) and
-        end its daemon session."""
-        self._release(request_id, R.ABORTED)
+        """The request is done: settle its prefix (a promise never loaded degrades as
+        `unused`) and end its daemon session."""
+        self._release(request_id, R.UNUSED)
 
     def abort(self, request_id: str) -> None:
-        """Release everything the request holds: locks, session, its prefix."""
+        """Release everything the request holds: locks, session, its prefix (`aborted`)."""
         self._release(request_id, R.ABORTED)
 
     def _release(self, request_id: str, reason: DegradeReason) -> None:
         with self._lock:
             p = self._live.get(request_id)
-            had_session = request_id in self._sessions
-            self._sessions.discard(request_id)
+            epoch = self._sessions.pop(request_id, None)
         if p is not None and not PrefixState(p.state).terminal:
-            self._finish_degraded(p, reason, locks=True)
+            self._finish_degraded(p, reason)
         with self._lock:
             self._live.pop(request_id, None)
-        if had_session:
-            self._control("end_session", request_id,
-                          lambda t: self.connector.end_session(request_id, t), idempotent=True)
+        if epoch is not None:
+            # A call the daemon has not answered yet would re-create the session when
+            # served: the end waits until every call of the request is answered or dropped.
+            self.link.owe("end_session", request_id, epoch,
+                          lambda t: self.connector.end_session(request_id, t),
+                          idempotent=True, ready=lambda: self._answered(request_id))
+
+    def _answered(self, request_id: str) -> bool:
+        unanswered = getattr(self.connector, "unanswered", None)
+        return unanswered is None or unanswered(request_id) == 0
+
+    def _touch_session(self, request_id: str, epoch: int) -> None:
+        with self._lock:
+            self._sessions[request_id] = epoch
 
     def reload(self, config: LoadBackConfig) -> None:
         """Swap policy values (deadlines, retries, breaker, break-even, heartbeat) in place.
@@ -393,12 +372,14 @@ class LoadBackOrchestrator(DaemonUpkeep):
                 "apply it (policy keys reload live: deadlines, retries, breaker, break_even, "
                 "heartbeat)")
         with self._lock:
-            self.config = config
+            self.config = self.link.config = config
             self.breaker.policy = config.breaker
             self.break_even.policy = config.break_even
             self.generation += 1
         self.metrics.config_generation(self.generation)
-        self._wake.set()  # a new heartbeat interval applies from the next tick
+        self.link.wake()  # a new heartbeat interval applies from the next tick
+
+    # ------------------------------------------------------------ inspection
 
     def state_of(self, request_id: str) -> PrefixState | None:
         with self._lock:
@@ -410,8 +391,18 @@ class LoadBackOrchestrator(DaemonUpkeep):
             return sum(1 for p in self._live.values() if not PrefixState(p.state).terminal)
 
     def pending_debts(self) -> int:
-        with self._lock:
-            return len(self._debts)
+        return self.link.pending()
+
+    def tick(self) -> None:
+        """One heartbeat (the heartbeat thread runs it; tests call it directly)."""
+        self.link.tick()
+
+    def wake(self) -> None:
+        """Run the next heartbeat now."""
+        self.link.wake()
+
+    def wait_registered(self, timeout_s: float) -> bool:
+        return self.link.wait_registered(timeout_s)
 
     # --------------------------------------------------------------- plumbing
 
@@ -428,9 +419,10 @@ class LoadBackOrchestrator(DaemonUpkeep):
             if not PrefixState(dst).terminal:
                 self.metrics.live_delta(dst, +1)
 
-    def _finish_degraded(self, p: Prefix, reason: DegradeReason, *, locks: bool) -> None:
-        if locks and p.hit_tokens > p.locked_from and p.state != S.LOOKING_UP.value:
-            self._free_locks(p, p.locked_from, p.hit_tokens)
+    def _finish_degraded(self, p: Prefix, reason: DegradeReason) -> None:
+        held = p.lease.held
+        if held:
+            self._free(p, *held)
         p.reason = reason
         self._fire(p, "degrade")
         self._settle(p)
@@ -442,33 +434,37 @@ class LoadBackOrchestrator(DaemonUpkeep):
                              loaded_tokens=p.promised_tokens if loaded else 0,
                              loaded_bytes=loaded_bytes)
 
+    @staticmethod
+    def _match_result(p: Prefix) -> MatchResult:
+        marked = p.state == S.MARKED.value
+        return MatchResult(p.promised_tokens if marked else 0, PrefixState(p.state), p.reason)
+
     def _result(self, p: Prefix, start: float) -> LoadResult:
         loaded = p.promised_tokens if p.state == S.LOADED.value else 0
         return LoadResult(loaded, PrefixState(p.state), p.reason, self.clock() - start)
 
-    def _free_locks(self, p: Prefix, start: int, end: int) -> None:
-        if end > start:
-            self._control("free_locks", p.request_id, lambda t: self.connector.free_locks(
-                p.token_ids, p.request_id, start, end, t, cache_salt=p.cache_salt))
+    def _free(self, p: Prefix, start: int, end: int) -> None:
+        """Free read locks [start, end) if the lease still holds them (never twice)."""
+        rng = p.lease.give_back(start, end)
+        if rng is not None:
+            k = p.key
+            self.link.owe("free_locks", k.request_id, p.lease.epoch, lambda t: (
+                self.connector.free_locks(k.token_ids, k.request_id, rng[0], rng[1], t,
+                                          cache_salt=k.cache_salt)))
 
     def close(self) -> None:
         """Abort every live prefix, pay what the daemon is owed (bounded), unregister."""
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._wake.set()
-        self._release_wake.set()
-        for t in self._threads:
-            t.join(timeout=5)
-        self._background = False  # from here on, releases run inline
+        self.link.stop_threads()
         with self._lock:
             ids = list(self._live) + [s for s in self._sessions if s not in self._live]
         for rid in ids:
             self._release(rid, R.CLOSED)
-        self._pay_debts(self.config.deadlines.control_ms / 1000)
+        self.link.pay()
         try:
-            if self._registered_epoch is not None and self.breaker.allow():
+            if self.link.registered_epoch is not None and self.breaker.allow():
                 self.connector.unregister(self.config.deadlines.control_ms / 1000)
         except ConnectorError:
             pass  # the daemon reaps a silent worker by itself
@@ -485,3 +481,4 @@ class LoadBackOrchestrator(DaemonUpkeep):
 
     def __exit__(self, *exc) -> None:
         self.close()
+

@@ -7,16 +7,14 @@ Time comes from one injectable clock so deadline and cooldown tests run in milli
 from __future__ import annotations
 
 import collections
-import random
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-import msgspec
 import tenacity
 
-from connectors.errors import ConnectorError, VersionSkew
+from connectors.errors import ConnectorError
 
 from .config import BreakEven, Breaker, Retries
 
@@ -29,31 +27,36 @@ monotonic: Clock = time.monotonic
 
 
 def retry_safe(exc: BaseException) -> bool:
-    """Only daemon-side failures are retried; a version skew never heals by retrying, and
-    an error marked `final` by the caller ends the attempts."""
-    return (isinstance(exc, ConnectorError) and not isinstance(exc, VersionSkew)
-            and not getattr(exc, "final", False))
+    """Whether repeating the call can succeed: the error class says (`retry_safe` on
+    connectors.errors.ConnectorError and its subclasses); nothing else is retried."""
+    return isinstance(exc, ConnectorError) and exc.retry_safe
 
 
-def retrying(policy: Retries, budget_s: float, *, clock: Clock = monotonic,
+def _stop_before(deadline: float, clock: Clock):
+    """Stop when the next backoff would end at or past `deadline` (by `clock`)."""
+    def stop(state: tenacity.RetryCallState) -> bool:
+        return clock() + (state.upcoming_sleep or 0.0) >= deadline
+    return stop
+
+
+def retrying(policy: Retries, deadline: float, *, clock: Clock = monotonic,
              sleep: Callable[[float], None] = time.sleep,
-             before_retry: Callable[[tenacity.RetryCallState], None] | None = None,
-             only: type[BaseException] | None = None) -> tenacity.Retrying:
-    """A tenacity policy that never starts an attempt it could not finish in `budget_s`.
+             before_retry: Callable[[tenacity.RetryCallState], None] | None = None
+             ) -> tenacity.Retrying:
+    """A tenacity policy that never starts an attempt it could not begin before `deadline`
+    (a time on `clock`), sleeping its backoff with `sleep`.
 
     tenacity cannot cancel an attempt in flight: each attempt's own timeout (the socket
-    poll) is what bounds it; this stops before the next one would cross the budget.
+    poll) is what bounds it; this stops before the next one would cross the deadline.
     """
     return tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(policy.max_attempts)
-        | tenacity.stop_before_delay(budget_s),
+        stop=tenacity.stop_after_attempt(policy.max_attempts) | _stop_before(deadline, clock),
         wait=tenacity.wait_exponential_jitter(
             multiplier=policy.backoff_initial_ms / 1000,
             max=policy.backoff_max_ms / 1000,
             jitter=policy.jitter_ms / 1000,
         ),
-        retry=tenacity.retry_if_exception(
-            retry_safe if only is None else (lambda e: isinstance(e, only))),
+        retry=tenacity.retry_if_exception(retry_safe),
         reraise=True,
         sleep=sleep,
         before_sleep=before_retry,
@@ -61,36 +64,32 @@ def retrying(policy: Retries, budget_s: float, *, clock: Clock = monotonic,
 
 
 def run_with_retries(fn: Callable[[], T], policy: Retries, budget_s: float, *,
-                     only: type[BaseException] | None = None,
                      before_retry: Callable[[tenacity.RetryCallState], None] | None = None,
-                     clock: Clock = monotonic) -> T:
-    """Call `fn`; on a retry-safe failure hand the remaining attempts to tenacity.
+                     clock: Clock = monotonic,
+                     sleep: Callable[[float], None] = time.sleep) -> T:
+    """Call `fn`; on a retry-safe failure hand it and the remaining attempts to tenacity.
 
     The first attempt runs bare: a Retrying object costs ~10 us, more than the rest of a
     healthy load-back's bookkeeping, and the healthy path never needs it.
     """
-    start = clock()
+    deadline = clock() + budget_s
     try:
         return fn()
     except BaseException as exc:
-        safe = retry_safe(exc) if only is None else isinstance(exc, only)
-        left = budget_s - (clock() - start)
-        if not safe or policy.max_attempts <= 1 or left <= 0:
+        if not retry_safe(exc) or policy.max_attempts <= 1 or clock() >= deadline:
             raise
-        first = exc
-    rest = msgspec.structs.replace(policy, max_attempts=policy.max_attempts - 1)
-    if before_retry is not None:
-        before_retry(None)  # the retry of the first attempt
-    pause = (policy.backoff_initial_ms + random.uniform(0, policy.jitter_ms)) / 1000
-    time.sleep(min(pause, max(0.0, left / 2)))
-    left = budget_s - (clock() - start)
-    try:
-        for attempt in retrying(rest, left, before_retry=before_retry, only=only):
-            with attempt:
-                return fn()
-    except tenacity.RetryError:  # pragma: no cover - reraise=True makes this unreachable
-        raise first from None
-    raise first
+        first: list[BaseException] = [exc]
+
+    def again() -> T:
+        if first:
+            raise first.pop()  # tenacity sees the first failure as its attempt 1
+        return fn()
+
+    for attempt in retrying(policy, deadline, clock=clock, sleep=sleep,
+                            before_retry=before_retry):
+        with attempt:
+            return again()
+    raise AssertionError("unreachable: reraise=True re-raises the last failure")
 
 
 # -- circuit breaker ---------------------------------------------------------

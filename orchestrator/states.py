@@ -44,7 +44,8 @@ class DegradeReason(str, enum.Enum):
     BAD_SLOTS = "bad_slots"
     DAEMON_RESTARTED = "daemon_restarted"
     TP_PEER_FAILED = "tp_peer_failed"
-    ABORTED = "aborted"
+    ABORTED = "aborted"         # the engine aborted the request
+    UNUSED = "unused"           # the request finished without loading what was promised
     CLOSED = "closed"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import traceback
 
 import pytest
@@ -58,7 +59,11 @@ def _rank_main(rank: int, world: int, dist_port: int, endpoints: list[str], pids
             if pause_at == "load" and rank == 1:
                 os.kill(pids[1], signal.SIGSTOP)
             dst = torch.arange(256, 256 + max(got, 1))[:got]
+            if pause_at == "alloc" and rank == 1:
+                dst = None  # this rank's engine could not allocate the slots
+            t0 = time.monotonic()
             res = orch.load_back(rid, dst) if got else None
+            took = time.monotonic() - t0
             if rank == 1:
                 os.kill(pids[1], signal.SIGCONT)
             final = res if res else m
@@ -67,6 +72,7 @@ def _rank_main(rank: int, world: int, dist_port: int, endpoints: list[str], pids
                 "loaded": res.loaded_tokens if res else 0,
                 "state": final.state.value if final.state else None,
                 "reason": final.reason.value if final.reason else None,
+                "load_s": took,
                 "exact": bool(res and res.loaded_tokens == 128
                               and same_kv(kv_of(pool, src), kv_of(pool, dst))),
             }
@@ -78,6 +84,9 @@ def _rank_main(rank: int, world: int, dist_port: int, endpoints: list[str], pids
         assert orch.wait_registered(10)
         dist.barrier()
         step("hang_at_load", "load")
+        assert orch.wait_registered(10)
+        dist.barrier()
+        step("alloc_fails", "alloc")
         orch.close()
         dist.destroy_process_group()
         out.put((rank, results))
@@ -128,3 +137,10 @@ def test_ranks_agree_on_every_prefix_and_one_failing_rank_degrades_all(two_daemo
     assert r1["hang_at_load"]["reason"] == "retrieve_timeout"
     assert r0["hang_at_load"]["reason"] == "tp_peer_failed"
     assert r0["hang_at_load"]["state"] == r1["hang_at_load"]["state"] == "degraded"
+    # Rank 1 could not allocate slots: both ranks still meet in the one decision, return
+    # within the retrieve deadline, and degrade (rank 0 without retrieving).
+    assert r0["alloc_fails"]["match"] == r1["alloc_fails"]["match"] == 128
+    assert r1["alloc_fails"]["reason"] == "alloc_failed"
+    assert r0["alloc_fails"]["reason"] == "tp_peer_failed"
+    assert r0["alloc_fails"]["loaded"] == r1["alloc_fails"]["loaded"] == 0
+    assert max(r0["alloc_fails"]["load_s"], r1["alloc_fails"]["load_s"]) < 0.3 + 0.5

@@ -33,11 +33,18 @@ C = 16
 
 
 class FakeClock:
+    """The orchestrator's one clock: read it, and sleeping advances it (no real wait)."""
+
     def __init__(self) -> None:
         self.t = 1000.0
+        self.slept: list[float] = []
 
     def __call__(self) -> float:
         return self.t
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.t += s
 
 
 def make(**over):
@@ -46,7 +53,8 @@ def make(**over):
     pool = make_pool(layout, 2048)
     cfg = LoadBackConfig.from_dict({"chunk_size": C, **over})
     clock = FakeClock()
-    orch = LoadBackOrchestrator(cfg, conn, kv_pool=pool, clock=clock, start_heartbeat=False)
+    orch = LoadBackOrchestrator(cfg, conn, kv_pool=pool, clock=clock, sleep=clock.sleep,
+                                start_heartbeat=False)
     orch.tick()  # registers
     return orch, conn, pool, clock
 
@@ -128,9 +136,9 @@ def test_lookup_timeout_degrades_with_reason_and_owes_the_release():
     assert orch.match("r", toks) == MatchResult(0, PrefixState.DEGRADED,
                                                 DegradeReason.LOOKUP_TIMEOUT)
     assert orch.state_of("r") == PrefixState.DEGRADED
-    assert orch.pending_debts() == 1
-    orch.tick()
-    assert orch.pending_debts() == 0
+    # The lost LOOKUP took locks daemon-side: settled (inline without background threads).
+    assert conn.calls["settle_lookup"] == 1
+    assert conn.held_locks() == 0 and orch.pending_debts() == 0
 
 
 def test_unavailable_lookup_is_retried_inside_the_deadline():
@@ -156,7 +164,7 @@ def test_retrieve_retry_looks_up_again_first_and_loads():
     assert conn.held_locks() == 0
 
 
-def test_corrupt_reply_on_every_attempt_degrades_and_leaves_slots_untouched():
+def test_corrupt_reply_degrades_without_retry_and_leaves_slots_untouched():
     orch, conn, pool, _ = make(retries={"max_attempts": 2})
     toks = list(range(64))
     store(orch, toks, torch.arange(64))
@@ -167,6 +175,7 @@ def test_corrupt_reply_on_every_attempt_degrades_and_leaves_slots_untouched():
     before = kv_of(pool, dst)
     res = orch.load_back("r", dst)
     assert (res.loaded_tokens, res.reason) == (0, DegradeReason.CORRUPT_DATA)
+    assert conn.calls["retrieve"] == 1  # ProtocolError.retry_safe is False: never repeated
     assert same_kv(before, kv_of(pool, dst))
     assert snap(orch, 'loadback_recomputed_tokens_total{reason=corrupt_data}') == 64
 
@@ -311,7 +320,6 @@ def test_failed_relookup_settles_that_lookup_and_stops_retrying():
     res = orch.load_back("r", torch.arange(900, 964))
     assert res.loaded_tokens == 0 and res.reason == DegradeReason.RETRIEVE_TIMEOUT
     assert conn.calls["retrieve"] == 1 and conn.calls["lookup"] == 2
-    assert orch.pending_debts() == 1
+    assert conn.calls["settle_lookup"] == 1
     orch.finish("r")
-    orch.tick()
     assert conn.held_locks() == 0 and orch.pending_debts() == 0

@@ -17,6 +17,7 @@ import time
 import torch
 import zmq
 
+from connectors.base import Retrieved
 from connectors.daemon import DaemonProcess
 from connectors.kv_layout import KVLayout
 from connectors.lmcache_mp import KVPool, LMCacheMPConnector
@@ -42,11 +43,12 @@ class NullConnector:
     def free_locks(self, *a, **k): return None
     def settle_lookup(self, *a, **k): return True
     def end_session(self, rid, t): return None
+    def unanswered(self, request_id=None): return 0
     def close(self): return None
 
     def retrieve_into(self, toks, rid, pool, slots, *, start, end, timeout_s, skip=0,
                       cache_salt=""):
-        return (end - start) * LAYOUT.bytes_per_token
+        return Retrieved((end - start) * LAYOUT.bytes_per_token)
 
     def store_from(self, *a, **k): return True
 

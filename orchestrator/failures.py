@@ -1,0 +1,65 @@
+"""What a failed daemon call means, by table: (phase, error class) -> outcome.
+
+The one place that decides, for a ConnectorError raised while looking up, retrieving or
+storing, which degrade reason the prefix gets, whether the breaker hears a failure, which
+timeout counter moves and whether the registration becomes suspect. Rows are tried in
+order; the first whose class matches wins, so subclasses come before their bases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from connectors.errors import (
+    ConnectorError,
+    DaemonTimeout,
+    ProtocolError,
+    ShortRead,
+)
+
+from .states import DegradeReason as R
+
+
+class LookupUnsettled(ConnectorError):
+    """A LOOKUP whose answer was lost is being settled (its result waited for, its locks
+    released): no other LOOKUP of the request may overlap that, so it is never retried."""
+
+    retry_safe = False
+
+    def __init__(self, cause: ConnectorError) -> None:
+        super().__init__(f"lookup unanswered, settling owed: {cause}")
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class Outcome:
+    #: The prefix's degrade reason (None for store, which has no prefix).
+    reason: R | None
+    #: What the breaker records (False: a failure toward opening it).
+    breaker_ok: bool = False
+    #: The op whose timeout counter moves (None: not a timeout).
+    timeout_op: str | None = None
+    #: The daemon may have dropped our registration: re-register on the next heartbeat.
+    suspect: bool = False
+
+
+#: (phase, error class, outcome). Read top-down; the first matching row wins.
+FAILURES: list[tuple[str, type[ConnectorError], Outcome]] = [
+    ("lookup", DaemonTimeout, Outcome(R.LOOKUP_TIMEOUT, timeout_op="lookup", suspect=True)),
+    ("lookup", ConnectorError, Outcome(R.LOOKUP_ERROR)),
+    ("retrieve", DaemonTimeout, Outcome(R.RETRIEVE_TIMEOUT, timeout_op="retrieve", suspect=True)),
+    ("retrieve", ShortRead, Outcome(R.SHORT_READ, suspect=True)),
+    ("retrieve", ProtocolError, Outcome(R.CORRUPT_DATA, suspect=True)),
+    ("retrieve", ConnectorError, Outcome(R.RETRIEVE_ERROR, suspect=True)),
+    ("store", DaemonTimeout, Outcome(None, timeout_op="store")),
+    ("store", ConnectorError, Outcome(None)),
+]
+
+
+def classify(phase: str, exc: ConnectorError) -> Outcome:
+    if isinstance(exc, LookupUnsettled):
+        exc = exc.cause  # judged by what happened to the LOOKUP
+    for row_phase, cls, outcome in FAILURES:
+        if row_phase == phase and isinstance(exc, cls):
+            return outcome
+    raise KeyError(f"no failure row for phase {phase!r}")  # every phase ends in ConnectorError

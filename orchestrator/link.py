@@ -1,0 +1,266 @@
+"""DaemonLink: the orchestrator's relationship with one daemon, kept alive off the request path.
+
+It owns the registration (which daemon incarnation, `epoch`, we are registered with), the
+heartbeat thread (register at start, after a restart or a suspect silence; ping; probe a
+half-open breaker; count late replies) and the releaser thread, which pays what the daemon
+is owed (lock releases, settles of lost LOOKUPs, commits of landed retrieves, session
+ends) in order per request. The orchestrator holds one and calls `owe`, `registered`,
+`suspect`; only this object's own fields cross threads, each under `_lock` or an Event.
+
+Every debt is tied to the daemon incarnation it was incurred on: a daemon that restarted
+never saw those locks or sessions, and in lmcache 0.5.6 `free_lookup_locks` and a served
+`prepare_retrieve` create the session they name, so paying an old debt to a new daemon
+would leave it a session for a request it never served. Such debts are dropped, counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from connectors.base import Connector
+from connectors.errors import ConnectorError, DaemonUnavailable
+from metrics import LoadbackMetrics
+
+from .config import LoadBackConfig
+from .policies import BreakerState, CircuitBreaker
+
+log = logging.getLogger("loadback")
+
+
+@dataclass
+class Debt:
+    """One release the daemon is owed. `run(timeout_s)` returns False (or raises) while it
+    cannot complete yet; debts of one request are paid in order (a session is never ended
+    before its locks are settled)."""
+
+    what: str
+    request_id: str
+    #: The daemon incarnation (connector epoch) the debt was incurred on.
+    epoch: int
+    run: Callable[[float], object]
+    #: Repeat after any failure (True only for idempotent work). A release that may have
+    #: reached the daemon is never sent twice: a second free_lookup_locks would strip
+    #: another reader's lock. Only "not sent" (DaemonUnavailable) repeats those.
+    idempotent: bool = False
+    #: Not before this holds (the copy finished reading the daemon's buffer; the daemon
+    #: answered every call of the request). Waiting costs no try.
+    ready: Callable[[], bool] | None = None
+    tries: int = 0
+    max_tries: int = 20
+
+
+class DaemonLink:
+    def __init__(self, connector: Connector, config: LoadBackConfig, breaker: CircuitBreaker,
+                 metrics: LoadbackMetrics, *, background: bool) -> None:
+        self.connector = connector
+        self.config = config  # swapped by the orchestrator's reload
+        self.breaker = breaker
+        self.metrics = metrics
+        self.registered_epoch: int | None = None
+        self.stale_dropped = 0  # debts of an old daemon incarnation, never sent
+        self._suspect = threading.Event()  # a call went unanswered: re-register next tick
+        self._debts: list[Debt] = []
+        self._lock = threading.Lock()
+        self._pay_lock = threading.Lock()  # one payer at a time keeps each request's order
+        self._late_seen = 0
+        self._wake = threading.Event()
+        self._release_wake = threading.Event()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.background = background
+        if background:
+            # Startup never blocks on the daemon: registration happens on the heartbeat.
+            for name, target in (("heartbeat", self._heartbeat_loop),
+                                 ("releaser", self._releaser_loop)):
+                t = threading.Thread(target=target, name=f"loadback-{name}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    @property
+    def control_s(self) -> float:
+        return self.config.deadlines.control_ms / 1000
+
+    # ------------------------------------------------------------- registration
+
+    def registered(self) -> bool:
+        """Registered with the daemon the connector talks to now."""
+        epoch = self.connector.epoch
+        if self.registered_epoch is None or epoch != self.registered_epoch:
+            self._wake.set()  # let the heartbeat (re-)register now
+            return False
+        return True
+
+    def suspect(self) -> None:
+        self._suspect.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def wait_registered(self, timeout_s: float) -> bool:
+        """Wait until registered with the current daemon and the breaker is closed."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.registered() and self.breaker.allow():
+                return True
+            time.sleep(0.01)
+        return False
+
+    # ---------------------------------------------------------------- debts
+
+    def owe(self, what: str, request_id: str, epoch: int, run: Callable[[float], object], *,
+            idempotent: bool = False, ready: Callable[[], bool] | None = None,
+            max_tries: int = 20) -> None:
+        """A release the daemon incarnation `epoch` is owed. With background threads it is
+        queued and paid by the releaser at once, off the request path (a hung daemon must
+        not stretch match, load_back or finish); without them it runs inline if it can."""
+        debt = Debt(what, request_id, epoch, run, idempotent, ready, max_tries=max_tries)
+        if self._stale(debt):
+            return
+        if self.background:
+            self._queue(debt)
+            self._release_wake.set()
+            return
+        with self._lock:
+            queued = any(d.request_id == request_id for d in self._debts)
+        if (queued or not self.breaker.allow() or (ready is not None and not ready())
+                or not self._attempt(debt, self.control_s, on_failure=self.breaker.record)):
+            self._queue(debt)
+
+    def pending(self, request_id: str | None = None) -> int:
+        with self._lock:
+            return sum(1 for d in self._debts if request_id in (None, d.request_id))
+
+    def _queue(self, debt: Debt) -> None:
+        with self._lock:
+            self._debts.append(debt)
+
+    def _stale(self, d: Debt) -> bool:
+        if d.epoch == self.connector.epoch:
+            return False
+        log.debug("%s for %s was owed to daemon incarnation %d, now %d: dropped",
+                  d.what, d.request_id, d.epoch, self.connector.epoch)
+        self.stale_dropped += 1
+        self.metrics.stale_release_dropped()
+        return True
+
+    @staticmethod
+    def _attempt(d: Debt, timeout_s: float, *, on_failure=None) -> bool:
+        """Run one debt; True when it is settled: done, or possibly applied and so never
+        to be sent again (unless idempotent). `on_failure(False)` hears each failure."""
+        try:
+            return d.run(timeout_s) is not False
+        except DaemonUnavailable:
+            pass  # nothing was sent
+        except ConnectorError as exc:
+            if on_failure:
+                on_failure(False)
+            if not d.idempotent:
+                log.debug("%s for %s may have reached the daemon; not repeated: %s",
+                          d.what, d.request_id, exc)
+                return True
+            return False
+        if on_failure:
+            on_failure(False)
+        return False
+
+    def pay(self, timeout_s: float | None = None) -> None:
+        """Pay every owed release that can be paid now, in order per request."""
+        timeout_s = self.control_s if timeout_s is None else timeout_s
+        with self._pay_lock:
+            with self._lock:
+                debts, self._debts = self._debts, []
+            keep: list[Debt] = []
+            blocked: set[str] = set()
+            for d in debts:
+                if d.request_id in blocked:
+                    keep.append(d)
+                elif self._stale(d):
+                    continue
+                elif d.ready is not None and not d.ready():
+                    keep.append(d)
+                    blocked.add(d.request_id)
+                elif not self._attempt(d, timeout_s):
+                    d.tries += 1
+                    if d.tries < d.max_tries:
+                        keep.append(d)
+                        blocked.add(d.request_id)
+            with self._lock:
+                self._debts = keep + self._debts
+
+    # ------------------------------------------------------------- heartbeat
+
+    def tick(self) -> None:
+        """One heartbeat: register if needed, probe when the breaker allows, ping, pay
+        debts. Runs on the heartbeat thread; tests call it directly."""
+        late = self.connector.late_replies
+        if late > self._late_seen:
+            self.metrics.late_reply(late - self._late_seen)
+            self._late_seen = late
+        epoch = self.connector.epoch
+        if self.breaker.state == BreakerState.OPEN and not self.breaker.probe_due():
+            if epoch == self.registered_epoch:
+                return
+            # A new daemon accepted our connection: probe it now, not after the cooldown.
+            self.breaker.probe_now()
+        must_register = (self.registered_epoch is None or epoch != self.registered_epoch
+                         or self._suspect.is_set())
+        try:
+            if must_register:
+                self._suspect.clear()
+                # Off the request path: registration may take the connect budget.
+                self.connector.register(
+                    max(self.control_s, self.config.deadlines.connect_ms / 1000))
+                if self.registered_epoch is not None and epoch != self.registered_epoch:
+                    self.metrics.reregistered()
+                self.registered_epoch = epoch
+            else:
+                self.connector.ping(self.control_s)
+        except ConnectorError as exc:
+            if must_register:
+                self._suspect.set()
+            log.debug("heartbeat failed: %s", exc)
+            self.metrics.set_daemon_up(False)
+            if self.registered_epoch is None and self.breaker.state == BreakerState.CLOSED:
+                self.breaker.trip()  # never reached: answer 0 at once until a probe succeeds
+            else:
+                self.breaker.record(False)
+            return
+        self.metrics.set_daemon_up(True)
+        if self.breaker.state == BreakerState.HALF_OPEN:
+            self.breaker.record(True)
+        self.pay()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.is_set():
+            interval = self.config.heartbeat.interval_ms / 1000
+            try:
+                self.tick()
+            except Exception:  # the heartbeat must outlive any bug in one tick
+                log.exception("heartbeat tick failed")
+            self._wake.wait(interval if self.registered_epoch is not None else
+                            min(interval, 0.05))
+            self._wake.clear()
+
+    def _releaser_loop(self) -> None:
+        """Pays what the daemon is owed as soon as it is queued, while the breaker allows."""
+        while not self._stop.is_set():
+            self._release_wake.wait(self.config.heartbeat.interval_ms / 1000)
+            self._release_wake.clear()
+            if self.pending() and self.breaker.allow() and self.registered_epoch is not None:
+                try:
+                    self.pay()
+                except Exception:  # the releaser must outlive any bug in one pass
+                    log.exception("releasing owed daemon state failed")
+
+    def stop_threads(self) -> None:
+        """Stop both threads; from here on, releases run inline."""
+        self._stop.set()
+        self._wake.set()
+        self._release_wake.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self.background = False
