@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="loadback-tuned.yaml")
     p.add_argument("--prefill-tokens-per-s", type=float, default=10000.0)
     p.add_argument("--requests", type=int, default=20, help="per prefix size")
+    src = p.add_mutually_exclusive_group(required=True)  # the KV layout comes from the model
+    src.add_argument("--model-config", metavar="PATH", help="the model's HF config.json")
+    src.add_argument("--server", metavar="URL", help="a running SGLang server, e.g. "
+                     "http://127.0.0.1:30000 (reads its model directory's config.json)")
+    p.add_argument("--tp-size", type=int, default=1, help="with --model-config: tensor-"
+                   "parallel ranks sharing the KV heads")
+    p.add_argument("--json", metavar="FILE", help="also write the raw measurements")
     p.set_defaults(fn=lambda a: __import__("orchestrator.tools.tune", fromlist=["run"]).run(a))
 
     args = parser.parse_args(argv)

@@ -1,19 +1,24 @@
 """`loadback chaos run`: break the daemon on purpose and check that only recompute is lost.
 
-A scenario (YAML in configs/chaos/) names a fault, when it starts and ends (as fractions
-of the request count), a seed and a request count. Process faults act on the real
-daemon (SIGKILL, SIGSTOP/SIGCONT, restart, absent at start); wire faults go through the
-FaultProxy placed between the orchestrator and the daemon. After a bounded run every
-invariant is judged: hung (a call past its deadline + 5 ms), leaked (slots, read locks,
-sessions, debts still owed), wrong bytes (loaded KV differing from a recompute), counters
-(metrics equal to the outcomes the engine saw) and recovery (fault end -> first hit).
+A scenario (YAML in configs/chaos/, shipped in the wheel: orchestrator.resources) names a
+fault, when it starts and ends (as fractions of the request count), a seed and a request
+count. Process faults act on the real daemon (SIGKILL, SIGSTOP/SIGCONT, restart, absent at
+start); wire faults go through the FaultProxy placed between the orchestrator and the
+daemon, from `start` or, with `from_start`, before the orchestrator first registers. After a
+bounded run every invariant is judged: hung (a call past its deadline + 5 ms; the worst
+overshoot is reported too), leaked (slots, read locks, sessions, debts still owed), wrong
+bytes (loaded KV differing from a recompute), counters (metrics equal to the outcomes the
+engine saw), recovery (fault end -> first hit) and, where a scenario names them in
+`expect_logged`, the daemon errors the orchestrator logged (e.g. VersionSkew).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -27,12 +32,13 @@ from connectors.fault_proxy import FaultProxy, FaultRule
 from connectors.kv_layout import KVLayout
 from connectors.lmcache_mp import KVPool, LMCacheMPConnector
 
-from .bench.common import percentile
+from .bench.common import percentile, progress_bar
 from ..config import LoadBackConfig
 from ..core import LoadBackOrchestrator
+from ..resources import configs_dir
 from .workload import Engine, SlotAllocator, Workload
 
-SCENARIO_DIR = Path(__file__).resolve().parents[2] / "configs" / "chaos"
+SCENARIO_DIR = configs_dir() / "chaos"
 LAYOUT = KVLayout(num_layers=2, num_heads=4, head_dim=16, dtype=torch.float16, chunk_size=16)
 
 
@@ -41,6 +47,9 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     start: float = 0.3          # fraction of the requests when the fault begins
     end: float = 0.6            # ... and when it is lifted
     rules: list[dict] = []      # wire: FaultRule fields
+    # wire: the rules are in force before the orchestrator's first registration (a daemon of
+    # another version at start), lifted at `end`; `start` is then unused.
+    from_start: bool = False
 
 
 class Scenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -55,6 +64,8 @@ class Scenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     transfer: Literal["pickle", "shm"] = "pickle"
     fault: Fault = msgspec.field(default_factory=Fault)
     config: dict = {}           # LoadBackConfig overrides for this scenario
+    # Error classes the orchestrator must have logged (its `loadback` logger) during the run.
+    expect_logged: list[str] = []
 
 
 @dataclass
@@ -73,11 +84,53 @@ class Result:
     recomputed_tokens: int = 0
     leaks: dict[str, int] = field(default_factory=dict)
     counter_mismatches: list[str] = field(default_factory=list)
+    #: The most any match/load_back ran past its deadline, ms (negative: the least headroom).
+    worst_overshoot_ms: float | None = None
+    #: Daemon errors the orchestrator logged: {"Class" or "Class:op": count}.
+    errors_logged: dict[str, int] = field(default_factory=dict)
+    #: expect_logged entries the orchestrator never logged.
+    missing_errors: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return not (self.hung or self.leaked or self.wrong_bytes) and self.counters_ok
+        return (not (self.hung or self.leaked or self.wrong_bytes or self.missing_errors)
+                and self.counters_ok)
+
+
+class ErrorLog(logging.Handler):
+    """Counts the exceptions the orchestrator's `loadback` logger reports (as exc_info or as
+    a logged argument) by class name, `Class:op` where the error names its operation, so a
+    scenario can require e.g. VersionSkew."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.seen: Counter = Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        excs = [record.exc_info[1]] if record.exc_info and record.exc_info[1] else []
+        args = record.args if isinstance(record.args, tuple) else ()
+        excs += [a for a in args if isinstance(a, BaseException)]
+        for exc in excs:
+            op = getattr(exc, "op", None)  # DaemonTimeout names its operation
+            self.seen[type(exc).__name__ + (f":{op}" if op else "")] += 1
+
+    def logged(self, name: str) -> bool:
+        """`name` (a class, e.g. VersionSkew) was logged, for any operation."""
+        return any(k == name or k.startswith(f"{name}:") for k in self.seen)
+
+    def __enter__(self) -> "ErrorLog":
+        logger = logging.getLogger("loadback")
+        self._level = logger.level
+        logger.addHandler(self)
+        if logger.getEffectiveLevel() > logging.DEBUG:
+            logger.setLevel(logging.DEBUG)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger("loadback")
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
 
 
 def load_scenarios(which: str) -> list[Scenario]:
@@ -143,6 +196,7 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
     proxy = None
     orch = None
     fault, t_fault_end = scn.fault, None
+    errors = ErrorLog().__enter__()
     try:
         if fault.kind != "absent_at_start":
             daemon.start()
@@ -150,13 +204,15 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
         if fault.kind == "wire":
             proxy = FaultProxy(daemon.endpoint, layout=LAYOUT, seed=scn.seed).start()
             endpoint = proxy.endpoint
+            if fault.from_start:
+                _begin_fault(fault, daemon, proxy)
         cfg = base_config(int(endpoint.rsplit(":", 1)[1]), {"transfer": scn.transfer, **scn.config})
         pool = KVPool([torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)],
                       [torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)])
         conn = LMCacheMPConnector(endpoint, LAYOUT, transfer=scn.transfer,
                                   connect_timeout_s=cfg.deadlines.connect_ms / 1000)
         orch = LoadBackOrchestrator(cfg, conn, kv_pool=pool, metrics=metrics)
-        if fault.kind != "absent_at_start" and not orch.wait_registered(30):
+        if fault.kind != "absent_at_start" and not fault.from_start and not orch.wait_registered(30):
             raise RuntimeError(f"{scn.name}: orchestrator never registered")
         slots = SlotAllocator(8192)
         work = Workload(LAYOUT, scn.seed)
@@ -173,7 +229,7 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
             if wait > 0:
                 time.sleep(wait)
             due = time.monotonic() + scn.request_interval_ms / 1000
-            if fault.kind not in ("none", "absent_at_start") and i == begin:
+            if fault.kind not in ("none", "absent_at_start") and i == begin and not fault.from_start:
                 _begin_fault(fault, daemon, proxy)
             if fault.kind != "none" and i == stop_at:
                 _end_fault(fault, daemon, proxy)
@@ -190,6 +246,7 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
         mismatches = reconcile(orch, engine)
         t = engine.tally
         hit_at = t.first_hit_after.get("recovery")
+        logged = dict(sorted(errors.seen.items()))
         return Result(
             name=scn.name, requests=t.requests, hung=t.hung, leaked=sum(leaks.values()),
             wrong_bytes=t.wrong_bytes + ran, counters_ok=not mismatches,
@@ -197,10 +254,13 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
             recovery_s=(hit_at - t_fault_end) if hit_at and t_fault_end else None,
             loaded=t.loaded, loaded_tokens=t.loaded_tokens, recomputed_tokens=t.recomputed_tokens,
             leaks=leaks, counter_mismatches=mismatches,
+            worst_overshoot_ms=(t.worst_overshoot_s * 1000 if t.return_times else None),
+            errors_logged=logged, missing_errors=[e for e in scn.expect_logged if not errors.logged(e)],
             extra={"late_replies": conn.late_replies, "load_times": t.load_times,
                    "proxy": proxy.stats if proxy is not None else {}},
         )
     finally:
+        errors.__exit__()
         if orch is not None:
             orch.close()
         if proxy is not None:
@@ -236,7 +296,7 @@ def _leaks(orch: LoadBackOrchestrator, engine: Engine, daemon: DaemonProcess,
     end = time.monotonic() + settle_s
     held = {}
     while True:
-        orch._wake.set()
+        orch.wake()
         held = daemon.held() if daemon.proc and daemon.proc.poll() is None else {}
         live = {
             "kv_slots": slots.outstanding,
@@ -250,14 +310,25 @@ def _leaks(orch: LoadBackOrchestrator, engine: Engine, daemon: DaemonProcess,
         time.sleep(0.05)
 
 
-def _progress(name: str, i: int, n: int) -> None:
-    if i == n or i % 10 == 0:
-        width = 30
-        done = int(width * i / n)
-        sys.stderr.write(f"\r{name:<18} [{'#' * done}{'.' * (width - done)}] {i}/{n}")
-        if i == n:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+class Progress:
+    """One tqdm bar per scenario on stderr (quiet in a log: see bench.common.progress_bar);
+    call it as `progress(name, done, total)`, `close()` when the run ends."""
+
+    def __init__(self) -> None:
+        self._bar = None
+
+    def __call__(self, name: str, i: int, n: int) -> None:
+        if self._bar is None or self._bar.desc != name:
+            self.close()
+            self._bar = progress_bar(n, name)
+        self._bar.update(i - self._bar.n)
+        if i >= n:
+            self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def print_results(results: list[Result]) -> None:
@@ -266,25 +337,33 @@ def print_results(results: list[Result]) -> None:
     rows = []
     for r in results:
         deg = ", ".join(f"{k}={v}" for k, v in r.degraded.items()) or "-"
-        rows.append([r.name, r.requests, r.hung, r.leaked, r.wrong_bytes,
+        rows.append([r.name, r.requests, r.hung,
+                     "-" if r.worst_overshoot_ms is None else f"{r.worst_overshoot_ms:+.1f}",
+                     r.leaked, r.wrong_bytes,
                      "yes" if r.counters_ok else "NO", f"{r.p99_return_s * 1000:.1f}",
                      "-" if r.recovery_s is None else f"{r.recovery_s:.2f}",
                      r.loaded, deg])
-    print_table(["scenario", "requests", "hung", "leaked", "wrong", "counters ok",
+    print_table(["scenario", "requests", "hung", "worst over ms", "leaked", "wrong", "counters ok",
                  "p99 ms", "recovery s", "loaded", "degraded by reason"], rows)
     for r in results:
         for m in r.counter_mismatches:
             print(f"  {r.name}: counter mismatch: {m}")
         if r.leaked:
             print(f"  {r.name}: leaks: {r.leaks}")
+        for e in r.missing_errors:
+            print(f"  {r.name}: the orchestrator never logged {e} (logged: {r.errors_logged or 'none'})")
 
 
 def run(args) -> int:
     scenarios = load_scenarios(args.scenario)
     results = []
     t0 = time.monotonic()
-    for scn in scenarios:
-        results.append(run_scenario(scn, args.requests, progress=_progress))
+    progress = Progress()
+    try:
+        for scn in scenarios:
+            results.append(run_scenario(scn, args.requests, progress=progress))
+    finally:
+        progress.close()
     print_results(results)
     print(f"{len(results)} scenarios in {time.monotonic() - t0:.0f} s")
     if args.json:

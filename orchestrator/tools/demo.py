@@ -13,7 +13,7 @@ import urllib.request
 from metrics import start_metrics_server
 
 from .bench.common import median, percentile
-from .chaos import Fault, Scenario, _progress, print_results, run_scenario
+from .chaos import Fault, Progress, Scenario, print_results, run_scenario
 from ..instruments import product_metrics
 
 
@@ -27,7 +27,11 @@ def run(args) -> int:
                    fault=Fault(kind="kill", start=0.35, end=0.55))
     t0 = time.monotonic()
     try:
-        result = run_scenario(scn, metrics=metrics, progress=_progress)
+        progress = Progress()
+        try:
+            result = run_scenario(scn, metrics=metrics, progress=progress)
+        finally:
+            progress.close()
         scraped = urllib.request.urlopen(server.url, timeout=5).read().decode()
     finally:
         server.close()

@@ -1,16 +1,24 @@
-"""`loadback tune --daemon HOST:PORT`: measure a running LMCache daemon, recommend a config.
+"""`loadback tune --daemon HOST:PORT --model-config config.json`: measure a running LMCache
+daemon with the model's KV layout, recommend a config.
 
-Connects to the daemon, reads its chunk size, registers a fixed KV layout (4 layers x 8 heads
-x 128 head_dim float16: cli.py passes no layout flags), stores one random prefix of 1, 4, 16
-and 64 chunks (each capped below 64 MiB of KV), then times `--requests` LOOKUPs and RETRIEVEs
+The KV layout comes from the model: `--model-config` (a Hugging Face config.json:
+num_hidden_layers, num_key_value_heads, head_dim or hidden_size / num_attention_heads,
+torch_dtype; KV heads divided by `--tp-size`, as each rank registers its share) or
+`--server URL` of a running SGLang server (its /model_info names the model directory, whose
+config.json is read; its /server_info gives tp_size and kv_cache_dtype). Tune connects to the
+daemon, reads its chunk size, registers that layout, stores one random prefix of 1, 4, 16 and
+64 chunks (each capped below 64 MiB of KV), then times `--requests` LOOKUPs and RETRIEVEs
 (into a random permutation of pool slots) per size. From the p99s and p50s it fits
-retrieve_ms = a + b * tokens/1024, and recommends deadlines, retries and break-even values,
-each printed beside the measurement it came from; `--out` gets a YAML that
-`LoadBackConfig.from_yaml` accepts (checked before it is written). Every call has a 10 s
-timeout and the whole run a 120 s budget: past it, measuring stops and the report says so.
-The prefixes are stored under model name `loadback-tune`, apart from the engine's cache.
+retrieve_ms = a + b * tokens/1024 (statistics.linear_regression), and recommends deadlines,
+retries and break-even values, each printed beside the measurement it came from; `--out`
+gets a YAML that `LoadBackConfig.from_yaml` accepts (checked before it is written), its
+header recording the layout and where it came from; `--json` gets the raw measurements.
+Every call has a 10 s timeout and the whole run a 120 s budget: past it, measuring stops
+and the report says so. The prefixes are stored under model name `loadback-tune`, apart from
+the engine's cache.
 
-Exit codes: 0 ok; 1 nothing could be measured; 2 the daemon cannot be reached; 64 bad --daemon.
+Exit codes: 0 ok; 1 nothing could be measured; 2 the daemon cannot be reached; 64 bad usage
+(a malformed --daemon, or a model config / server that gives no KV layout).
 """
 
 from __future__ import annotations
@@ -22,9 +30,13 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import yaml
@@ -34,10 +46,10 @@ from connectors.kv_layout import KVLayout
 from connectors.lmcache_mp import KVPool, LMCacheMPConnector
 from connectors.wire import PROTOCOL_VERSION
 
-from .bench.common import fmt, median, percentile, print_table
+from .bench.common import fmt, median, percentile, print_table, progress_bar, write_json
 from ..config import ConfigError, LoadBackConfig
 
-LAYERS, HEADS, HEAD_DIM, DTYPE = 4, 8, 128, torch.float16
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SIZES_CHUNKS = (1, 4, 16, 64)
 TYPICAL_CHUNKS = 16
 MAX_PREFIX_BYTES = 64 << 20
@@ -63,17 +75,103 @@ class Size:
     errors: list[str] = field(default_factory=list)
 
 
+class LayoutError(ValueError):
+    """The model config (or server) gives no usable KV layout; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """One rank's KV layout of the served model, and where it was read."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    source: str
+
+    def kv_layout(self, chunk_size: int) -> KVLayout:
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, DTYPES[self.dtype],
+                        chunk_size)
+
+    def describe(self) -> str:
+        return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} "
+                f"head_dim {self.dtype}")
+
+
+def layout_from_model_config(path: str | os.PathLike, tp_size: int = 1,
+                             kv_dtype: str | None = None) -> ModelLayout:
+    """Read one rank's KV layout from a Hugging Face config.json (text models, MHA/GQA)."""
+    fix = "pass the model's config.json (--model-config DIR/config.json)"
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise LayoutError(f"model config {path}: cannot read it as JSON ({exc}); {fix}") from None
+    if not isinstance(cfg, dict):
+        raise LayoutError(f"model config {path}: expected a JSON object; {fix}")
+    cfg = cfg.get("text_config") or cfg  # multimodal configs nest the language model's
+
+    def whole(key: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise LayoutError(f"model config {path}: {key} is {value!r}, expected a whole "
+                              f"number > 0; {fix}")
+        return value
+
+    def need(key: str) -> int:
+        if key not in cfg:
+            raise LayoutError(f"model config {path}: no {key!r}; {fix}")
+        return whole(key, cfg[key])
+
+    layers = need("num_hidden_layers")
+    heads = need("num_attention_heads")
+    kv_heads = whole("num_key_value_heads", cfg.get("num_key_value_heads", heads))
+    head_dim = (whole("head_dim", cfg["head_dim"]) if cfg.get("head_dim") is not None
+                else need("hidden_size") // heads)
+    dtype = kv_dtype if kv_dtype not in (None, "auto") else (
+        cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
+    dtype = str(dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise LayoutError(f"model config {path}: KV dtype {dtype!r} is not one of "
+                          f"{sorted(DTYPES)}; {fix}")
+    if tp_size < 1 or kv_heads % tp_size:
+        raise LayoutError(f"--tp-size {tp_size} does not divide num_key_value_heads {kv_heads} "
+                          f"of {path}; pass the server's tensor-parallel size")
+    return ModelLayout(layers, kv_heads // tp_size, head_dim, dtype,
+                       f"{path}" + (f", tp_size {tp_size}" if tp_size > 1 else ""))
+
+
+def _get_json(url: str, timeout_s: float) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return json.loads(resp.read().decode())
+
+
+def layout_from_server(url: str, timeout_s: float = 5.0) -> ModelLayout:
+    """The layout of the model a running SGLang server serves: /model_info names its model
+    directory (config.json is read from there), /server_info gives tp_size and kv_cache_dtype."""
+    base = url.rstrip("/")
+    try:
+        info = _get_json(f"{base}/model_info", timeout_s)
+        server = _get_json(f"{base}/server_info", timeout_s)
+    except (OSError, ValueError) as exc:
+        raise LayoutError(f"--server {url}: cannot read /model_info and /server_info ({exc}); "
+                          "pass the URL of a running SGLang server, or --model-config "
+                          "config.json") from None
+    model_path = info.get("model_path") or server.get("model_path")
+    config = Path(str(model_path)) / "config.json"
+    if not model_path or not config.is_file():
+        raise LayoutError(f"--server {url}: its model {model_path!r} is not a local directory "
+                          "with a config.json (a hub name is not read here); pass "
+                          "--model-config PATH/config.json")
+    tp = server.get("tp_size") or 1
+    layout = layout_from_model_config(config, int(tp), server.get("kv_cache_dtype"))
+    return ModelLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                       f"{config} (served at {url}, tp_size {tp})")
+
+
 def _parse_daemon(addr: str) -> tuple[str, int]:
     host, sep, port = addr.strip().removeprefix("tcp://").rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--daemon {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:5555")
     return host, int(port)
-
-
-def _progress(done: int, total: int, width: int = 30) -> None:
-    k = width * done // max(total, 1)
-    sys.stderr.write(f"\r[{'#' * k}{'.' * (width - k)}] {done}/{total}")
-    sys.stderr.flush()
 
 
 def _ms(t0: float) -> float:
@@ -102,9 +200,12 @@ def _sample(conn: LMCacheMPConnector, s: Size, toks, pool: KVPool) -> None:
             return
         slots = torch.randperm(pool.num_slots)[:s.tokens]
         t0 = time.perf_counter()
-        s.nbytes = conn.retrieve_into(toks, rid, pool, slots, start=0, end=hit,
-                                      timeout_s=CALL_TIMEOUT_S)
-        s.retrieve_ms.append(_ms(t0))
+        got = conn.retrieve_into(toks, rid, pool, slots, start=0, end=hit,
+                                 timeout_s=CALL_TIMEOUT_S)
+        s.retrieve_ms.append(_ms(t0))  # the engine waits this long; the commit is off its path
+        s.nbytes = got.nbytes
+        if got.commit is not None:
+            got.commit(CALL_TIMEOUT_S)
     except ConnectorError as exc:
         s.errors.append(f"{type(exc).__name__}: {exc}")
     finally:
@@ -123,8 +224,8 @@ def measure(conn: LMCacheMPConnector, sizes: list[Size], requests: int,
     shape = (n_slots, layout.num_heads, layout.head_dim)
     pool = KVPool([torch.randn(shape, dtype=layout.dtype) for _ in range(layout.num_layers)],
                   [torch.randn(shape, dtype=layout.dtype) for _ in range(layout.num_layers)])
-    rng, total, done, stopped = random.Random(), len(sizes) * requests, 0, False
-    _progress(0, total)
+    rng, stopped = random.Random(), False
+    bar = progress_bar(len(sizes) * requests, "tune")
     try:
         for s in sizes:
             if stopped or time.monotonic() - t_start > budget_s:
@@ -135,8 +236,7 @@ def measure(conn: LMCacheMPConnector, sizes: list[Size], requests: int,
                 _store(conn, toks, pool)
             except ConnectorError as exc:
                 s.errors.append(f"store: {type(exc).__name__}: {exc}")
-                done += requests
-                _progress(done, total)
+                bar.update(requests)
                 continue
             _sample(conn, Size(s.chunks, s.tokens), toks, pool)  # warm-up, not counted
             for _ in range(requests):
@@ -144,10 +244,9 @@ def measure(conn: LMCacheMPConnector, sizes: list[Size], requests: int,
                     stopped = True
                     break
                 _sample(conn, s, toks, pool)
-                done += 1
-                _progress(done, total)
+                bar.update(1)
     finally:
-        sys.stderr.write("\n")
+        bar.close()
     return stopped, time.monotonic() - t_start
 
 
@@ -156,13 +255,11 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     if len(set(xs)) < 2:
         return 0.0, ys[0] / xs[0]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
-    a = my - b * mx
-    if b < 0:
-        return my, 0.0
-    if a < 0:
-        return 0.0, sum(x * y for x, y in points) / sum(x * x for x in xs)
+    b, a = statistics.linear_regression(xs, ys)
+    if b < 0:  # slower for fewer tokens is noise: a flat line at the mean
+        return statistics.fmean(ys), 0.0
+    if a < 0:  # a negative fixed cost is noise: refit through the origin
+        return 0.0, statistics.linear_regression(xs, ys, proportional=True).slope
     return a, b
 
 
@@ -246,31 +343,46 @@ def _unreachable(host: str, port: int, endpoint: str, exc: Exception) -> int:
     return EXIT_UNREACHABLE
 
 
+def resolve_layout(args: argparse.Namespace) -> ModelLayout:
+    """The KV layout from --model-config or --server (exactly one is required)."""
+    model_config, server = getattr(args, "model_config", None), getattr(args, "server", None)
+    if bool(model_config) == bool(server):
+        raise LayoutError("tune needs the model's KV layout: pass exactly one of "
+                          "--model-config PATH/config.json or --server URL (a running SGLang "
+                          "server)")
+    if server:
+        return layout_from_server(server)
+    return layout_from_model_config(model_config, int(getattr(args, "tp_size", 1) or 1))
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         host, port = _parse_daemon(args.daemon)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        model = resolve_layout(args)
+    except LayoutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     requests = max(1, int(args.requests))
     endpoint, addr = f"tcp://{host}:{port}", f"{host}:{port}"
-    probe = LMCacheMPConnector(endpoint, KVLayout(LAYERS, HEADS, HEAD_DIM, DTYPE, 1),
-                               model_name=MODEL, connect_timeout_s=1.0)
+    probe = LMCacheMPConnector(endpoint, model.kv_layout(1), model_name=MODEL,
+                               connect_timeout_s=1.0)
     try:
         try:
             chunk = probe.get_chunk_size(CONNECT_TIMEOUT_S)
             if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
                 raise ConnectorError(f"get_chunk_size answered {chunk!r}, not a chunk size")
-            layout = KVLayout(LAYERS, HEADS, HEAD_DIM, DTYPE, chunk)
+            layout = model.kv_layout(chunk)
             conn = LMCacheMPConnector(endpoint, layout, model_name=MODEL,
                                       transport=probe.transport)
             conn.register(CONNECT_TIMEOUT_S)
         except ConnectorError as exc:
             return _unreachable(host, port, endpoint, exc)
-        layout_txt = (f"{LAYERS} layers x {HEADS} heads x {HEAD_DIM} head_dim float16, "
-                      f"{layout.bytes_per_token // 1024} KiB/token")
-        print(f"daemon {addr}: chunk size {chunk}; KV layout (fixed, cli.py passes no layout "
-              f"flags): {layout_txt}")
+        layout_txt = f"{model.describe()}, {layout.bytes_per_token} B/token"
+        print(f"daemon {addr}: chunk size {chunk}; KV layout {layout_txt} (from {model.source})")
         max_chunks = max(1, MAX_PREFIX_BYTES // layout.chunk_bytes)
         sizes = [Size(c, c * chunk) for c in sorted({min(c, max_chunks) for c in SIZES_CHUNKS})]
         stopped, spent = measure(conn, sizes, requests, WALL_BUDGET_S)
@@ -309,8 +421,8 @@ def run(args: argparse.Namespace) -> int:
         f"(chunk size {chunk}, protocol lmcache=={PROTOCOL_VERSION}); "
         f"{requests} samples per prefix size of {[s.tokens for s in sizes]} tokens"
         + (f", stopped early at the {WALL_BUDGET_S:g} s budget" if stopped else "") + ".",
-        f"Measured assuming a KV layout of {layout_txt}: deadlines scale with",
-        "bytes per token; re-measure (or scale the retrieve deadlines) for another model.",
+        f"KV layout per rank: {layout_txt}, from {model.source}.",
+        "Deadlines scale with bytes per token: re-run tune for another model.",
     ]
     text = render_yaml(host, port, chunk, recs, header)
     try:
@@ -323,4 +435,16 @@ def run(args: argparse.Namespace) -> int:
         f.write(text)
     os.replace(tmp, args.out)
     print(f"wrote {args.out}")
+    if getattr(args, "json", None):
+        write_json(args.json, {
+            "daemon": addr, "chunk_size": chunk, "layout": asdict(model),
+            "bytes_per_token": layout.bytes_per_token, "requests": requests,
+            "stopped_early": stopped,
+            "sizes": [{"chunks": s.chunks, "tokens": s.tokens, "nbytes": s.nbytes,
+                       "misses": s.misses, "errors": s.errors, "lookup_ms": s.lookup_ms,
+                       "retrieve_ms": s.retrieve_ms} for s in sizes],
+            "fits": {k: {"a_ms": a, "b_ms_per_ki": b} for k, (a, b) in fits.items()},
+            "recommended": {k: v for k, v, _ in recs},
+        })
+        print(f"wrote {args.json}")
     return 0

@@ -9,6 +9,7 @@ prefix, so every loaded token can be compared with what a recompute would have p
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -85,6 +86,8 @@ class Tally:
     recomputed_tokens: int = 0
     return_times: list[float] = field(default_factory=list)
     load_times: list[float] = field(default_factory=list)
+    #: The most any match/load_back ran past its deadline, seconds (negative: the least headroom).
+    worst_overshoot_s: float = -math.inf
     first_hit_after: dict[str, float] = field(default_factory=dict)
 
 
@@ -154,7 +157,9 @@ class Engine:
             n = m.tokens
             took = time.perf_counter() - t0
             t.return_times.append(took)
-            if took > orch.config.deadlines.lookup_ms / 1000 + self.slack:
+            over = took - orch.config.deadlines.lookup_ms / 1000
+            t.worst_overshoot_s = max(t.worst_overshoot_s, over)
+            if over > self.slack:
                 t.hung += 1
             loaded = 0
             got = None
@@ -167,7 +172,9 @@ class Engine:
                 took = time.perf_counter() - t0
                 t.return_times.append(took)
                 t.load_times.append(took)
-                if took > orch.config.deadlines.retrieve_s(n) + self.slack:
+                over = took - orch.config.deadlines.retrieve_s(n)
+                t.worst_overshoot_s = max(t.worst_overshoot_s, over)
+                if over > self.slack:
                     t.hung += 1
                 t.promised_tokens += n
                 if res.state == PrefixState.LOADED:

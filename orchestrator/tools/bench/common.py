@@ -1,25 +1,47 @@
-"""Small helpers shared by the `loadback bench` suites: statistics, tables, JSON."""
+"""Small helpers shared by the `loadback bench` suites, chaos and tune: statistics, tables, JSON.
+
+Percentiles and medians are the standard library's `statistics` (linear interpolation between
+closest ranks, numpy's default), with NaN for no samples so a report prints "-".
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
+import sys
 from typing import Sequence
+
+from tqdm import tqdm
+
+#: Seconds between progress redraws when stderr is a log, not a terminal: a few lines per
+#: long run instead of a frame per step.
+LOG_MININTERVAL_S = 30.0
 
 
 def median(xs: Sequence[float]) -> float:
-    return percentile(xs, 50.0)
+    return statistics.median(xs) if len(xs) else math.nan
 
 
 def percentile(xs: Sequence[float], p: float) -> float:
-    """Linear-interpolated percentile (p in [0, 100]); NaN for no samples."""
-    s = sorted(xs)
-    if not s:
+    """The p-th percentile (p a whole number in [0, 100]); NaN for no samples."""
+    if not 0 <= p <= 100 or p != int(p):
+        raise ValueError(f"percentile {p!r}: expected a whole number from 0 to 100")
+    if not len(xs):
         return math.nan
-    pos = (len(s) - 1) * min(max(p, 0.0), 100.0) / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    if len(xs) == 1 or p in (0, 100):
+        return float(min(xs) if p == 0 else max(xs))
+    return statistics.quantiles(xs, n=100, method="inclusive")[int(p) - 1]
+
+
+def progress_bar(total: int, desc: str = "", *, file=None) -> tqdm:
+    """A tqdm bar on stderr; in a log (not a TTY) it redraws at most every LOG_MININTERVAL_S
+    and once at the end, as plain ASCII."""
+    file = sys.stderr if file is None else file
+    tty = bool(getattr(file, "isatty", lambda: False)())
+    return tqdm(total=total, desc=desc, file=file, leave=True, ascii=not tty,
+                dynamic_ncols=tty, mininterval=0.1 if tty else LOG_MININTERVAL_S,
+                maxinterval=LOG_MININTERVAL_S if not tty else 10.0)
 
 
 def fmt(x: float, digits: int = 2) -> str:
