@@ -1,4 +1,5 @@
-"""The `loadback` command: demo, chaos, bench, tune, config validate|show, diagram.
+"""The `loadback` command: demo, chaos, bench, tune, config validate|show, configs export,
+diagram.
 
 Exit codes: 0 ok; 1 a check failed (invariant, benchmark target); 2 an invalid config;
 3 an unreadable config file; 64 bad usage.
@@ -38,6 +39,19 @@ def _config_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configs_cmd(args: argparse.Namespace) -> int:
+    from .resources import export_configs
+
+    try:
+        written = export_configs(args.dir, force=args.force)
+    except FileExistsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 64
+    print(f"wrote {len(written)} files to {args.dir} (example configs, chaos/ scenarios, "
+          "Grafana dashboard, Prometheus alert rules and scrape config)")
+    return 0
+
+
 def _diagram_cmd(args: argparse.Namespace) -> int:
     from .states import mermaid
 
@@ -54,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("file")
     p.add_argument("--json", action="store_true", help="show: machine-readable output")
     p.set_defaults(fn=_config_cmd)
+
+    p = sub.add_parser("configs", help="write out the shipped example configs, chaos "
+                       "scenarios, dashboard and alert rules")
+    p.add_argument("action", choices=["export"])
+    p.add_argument("dir", help="destination directory (created if missing)")
+    p.add_argument("--force", action="store_true", help="overwrite files already there")
+    p.set_defaults(fn=_configs_cmd)
 
     p = sub.add_parser("diagram", help="print the prefix state machine as mermaid")
     p.set_defaults(fn=_diagram_cmd)
