@@ -263,6 +263,8 @@ class LoadBackRadixCache(RadixCache):
             job.promise.tokens = job.tokens
             self._promises[handle] = job.promise
         p = self._promises.get(handle)
+        if p is None:
+            self._drop_other_attempts(handle)
         same_key = p is not None and p.salt == salt and p.token_ids == array("q", ids)
         if p is not None and not same_key:
             self._drop(handle, abort=True)  # the key changed: this promise is void
@@ -274,6 +276,15 @@ class LoadBackRadixCache(RadixCache):
         if device_len == p.local_tokens or (p.tokens == 0 and device_len > p.local_tokens):
             return p.tokens
         return self._rederive(handle, p, key, device_len)
+
+    def _drop_other_attempts(self, handle) -> None:
+        """A retracted request comes back under a new attempt id: its old promise is void."""
+        rid = getattr(handle, "rid", None)
+        if rid is None:
+            return
+        for other in [h for h in list(self._promises) + list(self._lookups)
+                      if h != handle and getattr(h, "rid", None) == rid]:
+            self._drop(other, abort=True)
 
     def _lookup_now(self, handle, key, ids, salt: str, device_len: int) -> int:
         p = _Promise(self._next_id(handle), array("q", ids), salt, device_len,
@@ -321,6 +332,7 @@ class LoadBackRadixCache(RadixCache):
         """Submit the LOOKUP; never waits (the worker thread runs it)."""
         if self._worker is None or handle in self._lookups or handle in self._promises:
             return
+        self._drop_other_attempts(handle)
         local = list(matched_prefix_tokens or [])
         key = RadixKey(array("q", local + list(new_input_tokens)), extra_key,
                        cache_salt=cache_salt).page_aligned(self.page_size)
