@@ -20,7 +20,8 @@ Design choices, each answering one of the daemon's traps:
 - A sentinel socket with a ZMQ monitor counts (re)connections: `epoch` increases when a
   new daemon process accepts us after a disconnect, which is how a restart is noticed.
   A disconnect marks the daemon down at once: until a daemon accepts us again, calls
-  raise DaemonUnavailable without waiting (only calls already sent pay their deadline).
+  raise DaemonUnavailable without waiting, and calls already waiting for a reply that can
+  no longer come end with DaemonTimeout.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from .errors import DaemonTimeout, DaemonUnavailable, ProtocolError, RequestDrop
 from .wire import OP_FRAMES, OP_PLACES
 
 _uid_decoder = msgspec.msgpack.Decoder(int)
+
+#: How often a call waiting for its reply checks whether the daemon disconnected.
+_SLICE_MS = 5
 
 #: Retired sockets kept for their fences; beyond this the oldest is closed and its calls
 #: are no longer tracked (a daemon hung through this many timeouts).
@@ -86,6 +90,7 @@ class ZmqTransport:
         self._closed = False
         self.late_replies = 0
         self.sockets_replaced = 0
+        self._in_flight: dict[int, str | None] = {}  # uid -> request id, awaiting a reply
         self._retired: list[_Retired] = []
         self._retired_lock = threading.Lock()
         #: Retired sockets closed over MAX_RETIRED before their fence answered.
@@ -194,7 +199,9 @@ class ZmqTransport:
         with self._retired_lock:
             self._sweep_retired(epoch)
             return sum(1 for r in self._retired for rid in r.pending.values()
-                       if request_id is None or rid == request_id)
+                       if request_id is None or rid == request_id) + sum(
+                1 for rid in list(self._in_flight.values())
+                if request_id is None or rid == request_id)
 
     @staticmethod
     def _drain(sock: zmq.Socket) -> int:
@@ -224,8 +231,8 @@ class ZmqTransport:
         registration): a noop follows `op` on the same connection, so a noop answer that
         arrives first proves the daemon dropped `op` unanswered: RequestDropped.
 
-        `request_id`: the request `op` acts for, counted by `unanswered()` when it times
-        out. `fence`: (op, payloads) sent behind it then, served in the same place as `op`
+        `request_id`: the request `op` acts for, counted by `unanswered()` while it waits
+        and, when it times out, until the daemon is proven to have served or dropped it. `fence`: (op, payloads) sent behind it then, served in the same place as `op`
         (default: by `wire.OP_PLACES`; the caller must pass one for "affinity" ops).
         """
         deadline = time.monotonic() + max(0.0, timeout_s)
@@ -236,8 +243,17 @@ class ZmqTransport:
         sock = self._socket()
         uid = next(self._uids)
         op_frame = OP_FRAMES[op]
-        self._send(sock, op, [msgspec.msgpack.encode(uid), op_frame, *payloads], deadline,
-                   timeout_s)
+        self._in_flight[uid] = request_id  # before the send: never sent yet uncounted
+        try:
+            self._send(sock, op, [msgspec.msgpack.encode(uid), op_frame, *payloads], deadline,
+                       timeout_s)
+            return self._await(sock, op, op_frame, uid, request_id, fence, probe, deadline,
+                               timeout_s)
+        finally:
+            del self._in_flight[uid]
+
+    def _await(self, sock, op, op_frame, uid, request_id, fence, probe, deadline, timeout_s):
+        """Wait for `uid`'s reply on `sock` (see call)."""
         probe_uid = None
         if probe:
             probe_uid = next(self._uids)
@@ -247,15 +263,23 @@ class ZmqTransport:
         answered = False
         while True:
             remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not sock.poll(max(1, int(remaining_ms + 0.999)), zmq.POLLIN):
-                if time.monotonic() < deadline:
+            # In slices: after a disconnect the reply can never come, so stop waiting then.
+            if remaining_ms <= 0 or not sock.poll(
+                    max(1, min(_SLICE_MS, int(remaining_ms + 0.999))), zmq.POLLIN):
+                now = time.monotonic()
+                lost = now < deadline and self._down
+                if now < deadline and not lost:
                     continue
                 if answered:  # the probe's answer is late; ours is in hand
                     self._discard_socket(sock)
                     return result
                 if fence is None:
                     fence = _PLACE_FENCES.get(OP_PLACES.get(op, ""))
+                # Retired before it leaves _in_flight: never uncounted in between.
                 self._retire(sock, uid, request_id, fence, self.epoch)
+                if lost:  # it may have been served: a timeout, not "never sent"
+                    raise DaemonTimeout(op, timeout_s - (deadline - now),
+                                        "the daemon disconnected before answering")
                 raise DaemonTimeout(op, timeout_s)
             reply = sock.recv_multipart(copy=False)
             try:

@@ -6,12 +6,15 @@ P3  with the real daemon SIGSTOPped: p99 return time of match and load_back minu
     deadlines (target <= 5 ms), beside what LMCache's own client does (waits mq_timeout).
 P4  match with the breaker open, as a ratio to one round trip (target <= 0.2).
 P5  per-lifecycle cost with 10,000 live prefixes vs 100 (target <= 1.2).
+P6  the real daemon SIGKILLed under a steady caller (50 ms deadlines): time from the kill to
+    the first call that returns in under 1 ms, and how many calls paid the whole deadline.
 Contenders alternate within one run; figures are medians (p99 where stated).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 
 import torch
@@ -19,6 +22,7 @@ import zmq
 
 from connectors.base import Retrieved
 from connectors.daemon import DaemonProcess
+from connectors.errors import ConnectorError
 from connectors.kv_layout import KVLayout
 from connectors.lmcache_mp import KVPool, LMCacheMPConnector
 from orchestrator.tools.bench.common import fmt, median, percentile, print_table, write_json
@@ -208,6 +212,62 @@ def p3(samples: int) -> dict:
     return out
 
 
+def p6(deadline_ms: float = 50.0) -> dict:
+    """SIGKILL the real daemon while one thread calls LOOKUP back to back."""
+    layout = KVLayout(num_layers=2, num_heads=4, head_dim=16, dtype=torch.float16, chunk_size=16)
+    d = DaemonProcess(chunk_size=16).start()
+    conn = LMCacheMPConnector(d.endpoint, layout, connect_timeout_s=0.2)
+    deadline_s = deadline_ms / 1000
+    calls: list[tuple[float, float]] = []  # (start, end), perf_counter
+    stop = threading.Event()
+
+    def caller() -> None:
+        toks = list(range(256))
+        for i in range(200_000):  # bounded; stopped long before
+            if stop.is_set():
+                return
+            t0 = time.perf_counter()
+            try:
+                conn.lookup_hit_tokens(toks, f"p6-{i}", deadline_s)
+            except ConnectorError:
+                pass
+            calls.append((t0, time.perf_counter()))
+
+    th = threading.Thread(target=caller, daemon=True)
+    try:
+        conn.register(5.0)
+        th.start()
+        until = time.monotonic() + 10
+        while len(calls) < 50 and time.monotonic() < until:
+            time.sleep(0.001)
+        t_kill = time.perf_counter()
+        d.kill()
+        t_reaped = time.perf_counter()
+        until = time.monotonic() + 5
+        first_fast = None
+        while first_fast is None and time.monotonic() < until:
+            time.sleep(0.001)
+            first_fast = next((e for s, e in list(calls) if e > t_kill and e - s < 0.001), None)
+        stop.set()
+        th.join(5)
+        after = [(s, e) for s, e in calls if e > t_kill]
+        return {
+            "p6_deadline_ms": deadline_ms,
+            "p6_kill_to_first_fast_call_ms":
+                None if first_fast is None else (first_fast - t_kill) * 1e3,
+            "p6_calls_paid_full_deadline": sum(1 for s, e in after if e - s >= deadline_s),
+            "p6_calls_after_kill": len(after),
+            "p6_paid_after_sockets_closed": sum(
+                1 for s, e in after if s > t_reaped and e - s >= deadline_s),
+            # The kernel closes the daemon's sockets only once its memory is torn down.
+            "p6_kill_to_reaped_ms": (t_reaped - t_kill) * 1e3,
+        }
+    finally:
+        stop.set()
+        conn.close()
+        d.stop()
+
+
 def _lmcache_client_wait(endpoint: str, mq_timeout_s: float) -> float:
     """LMCache's own client against the same hung daemon: it blocks for its whole
     mq_timeout (300 s by default) and neither retries nor cancels."""
@@ -229,6 +289,8 @@ def run(args) -> int:
     samples = args.samples or 2000
     core = p2_p4_p5(samples)
     hung = p3(min(200, max(50, samples // 10)))
+    killed = p6()
+    fast_ms = killed["p6_kill_to_first_fast_call_ms"]
     print_table(["figure", "value", "target"], [
         ["loopback pyzmq round trip, median (us)", fmt(core["round_trip_us"], 1), ""],
         ["lifecycle match+load_back+finish, median (us)", fmt(core["lifecycle_us"], 1), ""],
@@ -246,6 +308,14 @@ def run(args) -> int:
         ["P3 load_back p99 - deadline (ms)", fmt(hung["p3_load_back_p99_over_deadline_ms"]), "<= 5"],
         [f"LMCache's own client, same hung daemon, mq_timeout {hung['lmcache_client_mq_timeout_s']} s"
          " (default 300 s): waited (s)", fmt(hung["lmcache_client_wait_s"], 3), ""],
+        [f"P6 SIGKILL -> first call back in < 1 ms (ms), deadline {killed['p6_deadline_ms']:.0f}",
+         "never" if fast_ms is None else fmt(fast_ms), ""],
+        ["P6 SIGKILL -> daemon reaped, its sockets closed (ms)",
+         fmt(killed["p6_kill_to_reaped_ms"]), ""],
+        ["P6 calls after SIGKILL that paid the whole deadline (sent while it was dying)",
+         f"{killed['p6_calls_paid_full_deadline']} of {killed['p6_calls_after_kill']}", ""],
+        ["P6 ... of them sent after its sockets closed",
+         str(killed["p6_paid_after_sockets_closed"]), "0"],
     ], title=f"loadback bench core ({samples} samples; medians unless stated)")
     targets = {
         "p2_overhead_ratio": core["p2_overhead_ratio"] <= 1.0,
@@ -253,9 +323,11 @@ def run(args) -> int:
         "p3_load_back_p99_over_deadline_ms": hung["p3_load_back_p99_over_deadline_ms"] <= 5,
         "p4_breaker_open_ratio": core["p4_breaker_open_ratio"] <= 0.2,
         "p5_scale_ratio": core["p5_scale_ratio"] <= 1.2,
+        "p6_paid_after_sockets_closed": killed["p6_paid_after_sockets_closed"] == 0,
     }
     for name, ok in targets.items():
         print(f"{'MET ' if ok else 'MISS'} {name}")
     if args.json:
-        write_json(args.json, {**core, **hung, "samples": samples, "targets_met": targets})
+        write_json(args.json, {**core, **hung, **killed, "samples": samples,
+                               "targets_met": targets})
     return 0
