@@ -15,7 +15,8 @@ views), scatter_cpu_to_paged_kv, commit_retrieve, END_SESSION.
 Contenders alternate round by round (same-mode pairs back to back, ABBA, pairs rotated)
 over the same daemons, stored prefix and destination slots; every sample asserts a full
 hit; the first (warm-up) round of each size also checks the landed bytes with torch.equal.
-Always exits 0: a benchmark reports.
+Exit code: 1 when a gated target (P1, both) is missed, else 0. P6 is reported, not gated:
+it is out of reach as the daemon stands (the README says why).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ PAIRS = (("ours-pickle", "lmc-pickle"), ("ours-shm", "lmc-shm"), ("copy", "scatt
 NAMES = tuple(n for p in PAIRS for n in p)
 TARGETS = {"p1_ratio_same_mode": ("<=", 1.0), "p1_ratio_best": ("<=", 0.3),
            "p6_shm_vs_memcpy": (">=", 0.5)}
+GATED = ("p1_ratio_same_mode", "p1_ratio_best")  # a miss exits 1; the rest are reported
 HINTS = {"tokens_per_block": 1, "kv_list_layout": "k_v"}  # LMCache's SGLang MHA pool hints
 _ids = itertools.count(1)
 
@@ -303,9 +305,10 @@ def _report(rows, notes, samples) -> dict:
     print()
     for k, v in out.items():
         op, bar = TARGETS[k]
-        print(f"{k:<20} = {v:7.3f}   target {op} {bar}   {'MET' if met[k] else 'NOT MET'}")
+        gate = "" if k in GATED else "   (reported, not gated)"
+        print(f"{k:<20} = {v:7.3f}   target {op} {bar}   {'MET' if met[k] else 'NOT MET'}{gate}")
     return {**out, "targets": {k: f"{op} {b}" for k, (op, b) in TARGETS.items()},
-            "targets_met": met, "rows": rows, "data_paths": notes}
+            "targets_met": met, "gated": list(GATED), "rows": rows, "data_paths": notes}
 
 
 def run(args) -> int:
@@ -352,4 +355,8 @@ def run(args) -> int:
     if getattr(args, "json", None):
         write_json(args.json, result)
         print(f"wrote {args.json}")
+    missed = [k for k in GATED if not result["targets_met"][k]]
+    if missed:
+        print(f"gated targets missed: {', '.join(missed)}")
+        return 1
     return 0
