@@ -10,12 +10,17 @@ KV bytes move in one of two ways, chosen by configuration (`transfer`):
   unpickler (`connectors.safe_decode`); commit_store carries pickled chunks.
 - "shm": the daemon (started with --shm-name) hands out slot descriptors into its L1
   pool in /dev/shm; chunks are copied through the mapping and no pickle is involved.
+- "auto" (the default): shm when the daemon's registration reply offers a pool, pickle
+  otherwise, decided again at every registration (a restarted daemon may differ).
+A KV pool on a CUDA device moves through `connectors.gpu_transfer` (the segment page-locked
+once per registration, H2D copy + scatter on side streams, `Retrieved.ready` an event).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import mmap
 import os
 import time
@@ -38,11 +43,13 @@ from .errors import (
     SlotsError,
     VersionSkew,
 )
+from .gpu_transfer import GpuTransfer, on_cuda, pool_device
 from .kv_layout import KVLayout, check_slots, gather_chunks, scatter_chunks
 from .safe_decode import dump_tensor_list, load_tensor_list
 from .transport import ZmqTransport
 
-Transfer = Literal["pickle", "shm"]
+Transfer = Literal["auto", "pickle", "shm"]
+log = logging.getLogger(__name__)
 _instance_ids = itertools.count(1)
 
 
@@ -80,7 +87,9 @@ class _ShmPool:
         finally:
             os.close(fd)
         self.size = size
-        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        # Through a memoryview, every view holds a buffer export: close() then cannot unmap
+        # the pool under a copy still reading it (the mapping goes with the last view).
+        self.bytes = torch.frombuffer(memoryview(self._map), dtype=torch.uint8)
 
     def view(self, slot: wire.ShmSlot, layout: KVLayout) -> torch.Tensor:
         if slot.dtype != layout.dtype_str or tuple(slot.shape) != layout.chunk_shape:
@@ -133,19 +142,31 @@ class LMCacheMPConnector:
         model_name: str = "loadback",
         world_size: int = 1,
         kv_rank: int = 0,
-        transfer: Transfer = "pickle",
+        transfer: Transfer = "auto",
         instance_id: int | None = None,
         connect_timeout_s: float = 1.0,
         transport: ZmqTransport | None = None,
+        device: torch.device | str | None = None,
+        gpu_sync: bool = False,
     ) -> None:
-        if transfer not in ("pickle", "shm"):
-            raise ValueError(f"transfer must be 'pickle' or 'shm', got {transfer!r}")
+        """`device`: the KV pool's device when it is CUDA, so the daemon's segment is
+        page-locked at registration (else at the first CUDA load). `gpu_sync`: a CUDA
+        load waits for its copy before returning (`Retrieved.ready` is then None)."""
+        if transfer not in ("auto", "pickle", "shm"):
+            raise ValueError(f"transfer must be 'auto', 'pickle' or 'shm', got {transfer!r}")
         self.endpoint = endpoint
         self.layout = layout
         self.model_name = model_name
         self.world_size = world_size
         self.kv_rank = kv_rank
-        self.transfer = transfer
+        self.transfer_setting = transfer
+        #: The transfer in use: the setting, or for "auto" what the last registration chose.
+        self.transfer: str = "pickle" if transfer == "auto" else transfer
+        self._logged_transfer: str | None = None
+        self.gpu_sync = gpu_sync
+        self._gpu: GpuTransfer | None = None
+        if device is not None and torch.device(device).type == "cuda":
+            self._gpu = GpuTransfer(device, sync=gpu_sync)
         self.instance_id = instance_id if instance_id is not None else _new_instance_id()
         self.transport = transport or ZmqTransport(endpoint, connect_timeout_s=connect_timeout_s)
         self._shm: _ShmPool | None = None
@@ -246,18 +267,42 @@ class LMCacheMPConnector:
             raise ProtocolError(f"register: undecodable result ({exc})") from None
         if reply is None:
             raise ProtocolError("register: empty reply")
-        if self.transfer == "shm":
-            if not reply.shm_name or reply.pool_size <= 0:
+        offered = bool(reply.shm_name) and reply.pool_size > 0
+        if self.transfer_setting == "shm":
+            if not offered:
                 raise DaemonRejected(
                     "transfer 'shm' needs a daemon started with --shm-name NAME "
                     "--no-l1-use-lazy (a lazy L1 silently disables shared memory on GPU "
                     "hosts); this one offers no shared-memory pool (use transfer 'pickle' "
                     "or restart it with both flags)"
                 )
-            if self._shm is not None:
-                self._shm.close()
+        mode = "shm" if offered and self.transfer_setting != "pickle" else "pickle"
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+        if mode == "shm":
             self._shm = _ShmPool(reply.shm_name, reply.pool_size)
+        self.transfer = mode
+        if self._gpu is not None:
+            self._gpu.attach(self._shm.bytes if self._shm is not None else None)
+        if mode != self._logged_transfer:
+            log.info("daemon %s: transfer %s (setting %s%s)", self.endpoint, mode,
+                     self.transfer_setting, ", shared-memory pool offered" if offered else "")
+            self._logged_transfer = mode
         return reply
+
+    def _gpu_for(self, pool: KVPool) -> GpuTransfer:
+        """The CUDA data path for this pool's device (made, and the segment page-locked, on
+        first use when the connector was not built with `device=`)."""
+        dev = pool_device(pool)
+        if self._gpu is None or self._gpu.device != dev:
+            if self._gpu is not None:
+                self._gpu.close()
+            log.warning("KV pool on %s: page-locking the daemon's segment now; pass "
+                        "device=%r to the connector to do it at registration", dev, str(dev))
+            self._gpu = GpuTransfer(dev, sync=self.gpu_sync)
+            self._gpu.attach(self._shm.bytes if self._shm is not None else None)
+        return self._gpu
 
     def unregister(self, timeout_s: float) -> None:
         self._call("unregister_kv_cache_engine_driven_context", [self.instance_id], timeout_s)
@@ -386,9 +431,18 @@ class LMCacheMPConnector:
         except ConnectorError as exc:
             exc.owed = commit
             raise
+        nbytes = n_chunks * self.layout.chunk_bytes
+        if on_cuda(pool):  # the commit is paid once `ready` completed (the copy read it)
+            try:
+                ready = self._gpu_for(pool).load(self.layout, chunks, pool, slots, skip,
+                                                 from_segment=self.transfer == "shm")
+            except ConnectorError as exc:
+                exc.owed = commit
+                raise
+            return Retrieved(nbytes=nbytes, commit=commit, ready=ready)
         scatter_skipping(self.layout, chunks, pool, slots, skip)
         del chunks
-        return Retrieved(nbytes=n_chunks * self.layout.chunk_bytes, commit=commit)
+        return Retrieved(nbytes=nbytes, commit=commit)
 
     def _check_slots(self, pool: KVPool, slots: torch.Tensor, skip: int) -> None:
         """Refuse bad slots before prepare_retrieve: after it a raise would owe a commit,
@@ -462,17 +516,28 @@ class LMCacheMPConnector:
             if self._shm is None:
                 raise DaemonUnavailable("shared-memory pool not mapped: register first")
             views = [self._shm.view(s, self.layout) for s in ctx.slots]
-            gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots,
-                          out=views, chunk_indices=list(ctx.chunk_indices))
+            if on_cuda(pool):
+                self._gpu_for(pool).store(self.layout, pool, slots, list(ctx.chunk_indices),
+                                          out=views)
+            else:
+                gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots,
+                              out=views, chunk_indices=list(ctx.chunk_indices))
             del views
             return bool(self._call("commit_store", [key, self.instance_id, b""], left(),
                                    request_id=request_id))
-        chunks = gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots)
+        if on_cuda(pool):  # pinned views, cloned by dump_tensor_list before the next store
+            chunks = self._gpu_for(pool).store(self.layout, pool, slots,
+                                               range(end // self.chunk_size), out=None)
+        else:
+            chunks = gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots)
         data = dump_tensor_list(chunks)
         return bool(self._call("commit_store", [key, self.instance_id, data], left(),
                                request_id=request_id))
 
     def close(self) -> None:
+        if self._gpu is not None:  # waits for copies still reading the segment
+            self._gpu.close()
+            self._gpu = None
         if self._shm is not None:
             self._shm.close()
             self._shm = None

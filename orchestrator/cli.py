@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE")
     p.set_defaults(fn=lambda a: __import__("orchestrator.tools.demo", fromlist=["run"]).run(a))
 
-    p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator)")
-    p.add_argument("suite", choices=["client", "core"])
+    p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator), "
+                       "gpu (CUDA KV pool)")
+    p.add_argument("suite", choices=["client", "core", "gpu"])
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--samples", type=int, default=0, help="samples per point (0 = default)")
     p.set_defaults(fn=lambda a: __import__(f"orchestrator.tools.bench.{a.suite}",

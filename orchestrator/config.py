@@ -86,7 +86,7 @@ class LoadBackConfig(_Section):
     mode: Literal["mp", "ip"] = "mp"
     mp_host: str = "127.0.0.1"
     mp_port: int = 5555
-    transfer: Literal["pickle", "shm"] = "pickle"
+    transfer: Literal["auto", "pickle", "shm"] = "auto"  # auto: shm when the daemon offers a pool
     model_name: str = "loadback"
     chunk_size: int = 256              # must equal the daemon's --chunk-size
     deadlines: Deadlines = Deadlines()

@@ -1,0 +1,385 @@
+"""`loadback bench gpu`: load-back into a CUDA KV pool, ours against the copy limit and LMCache.
+
+KV of a Llama-8B-like model: 32 layers x 8 KV heads x 128 x K,V x bf16 = 128 KiB per token,
+chunk 256, prefixes of 1k, 4k, 16k and 64k tokens into random slots of a CUDA pool. Two real
+lmcache 0.5.6 daemons: one with `--shm-name NAME --no-l1-use-lazy`, one without (pickle).
+Contenders, timed per sample from after the lookup until the bytes are in the slots:
+  ours-shm     retrieve_into through the daemon's page-locked segment, then `ready` waited
+  ours-pickle  retrieve_into on the pickle daemon (decode -> pinned staging -> device)
+  copy         a pinned host-to-device torch copy of the same bytes (the link limit)
+  lmcache      LMCache's own SGLang MP connector on the shm daemon: lmcache_driven RETRIEVE
+               (the daemon writes the KV through CUDA IPC), then a device synchronize
+Before timing, each size is proven byte-exact: ours stores the prefix from a CUDA pool (GPU
+gather, device-to-host), then loads it with a non-chunk-aligned local hit (skip) into random
+slots; LMCache's retrieve is checked the same way (skip 0). Contenders alternate sample by
+sample (rotated); medians after warm-up. Always exits 0: a benchmark reports.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+
+from connectors.daemon import DaemonProcess  # noqa: E402
+from connectors.kv_layout import KVLayout  # noqa: E402
+from connectors.lmcache_mp import KVPool, LMCacheMPConnector  # noqa: E402
+
+from .common import fmt, median, print_table, write_json  # noqa: E402
+
+SIZES = (1024, 4096, 16384, 65536)
+CHUNK = 256
+SKIP = 100  # tokens of the first chunk the engine already holds (proof only)
+T = 120.0  # per-operation timeout, seconds
+MODEL = "loadback-gpu"
+LAYOUT = KVLayout(num_layers=32, num_heads=8, head_dim=128, dtype=torch.bfloat16,
+                  chunk_size=CHUNK)
+NAMES = ("ours-shm", "ours-pickle", "copy", "lmcache")
+#: Timed samples per size after WARMUP; the pickle path is slow at 64k, so fewer there.
+SAMPLES = {1024: 40, 4096: 25, 16384: 12, 65536: 6}
+PICKLE_SAMPLES = {1024: 15, 4096: 10, 16384: 5, 65536: 3}
+WARMUP = 2
+TARGETS = {"p7_ratio": 0.9, "p7_ratio_1k": 0.75, "p7_vs_lmcache": 1.3}
+_ids = itertools.count(1)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class Ours:
+    def __init__(self, endpoint: str, dev: torch.device, expect: str) -> None:
+        self.conn = LMCacheMPConnector(endpoint, LAYOUT, model_name=MODEL, device=dev)
+        self.conn.register(T)
+        assert self.conn.transfer == expect, f"auto chose {self.conn.transfer}, want {expect}"
+        gpu = self.conn._gpu
+        self.note = (f"{expect}, scatter {gpu.scatter_impl}" if gpu is not None
+                     else f"{expect}, CPU pool")
+
+    def lookup(self, toks, rid, n) -> None:
+        hit = self.conn.lookup_hit_tokens(toks, rid, T)
+        assert hit == n, f"ours: {hit} of {n} tokens hit"
+
+    def load(self, toks, rid, pool, slots, n, skip=0):
+        r = self.conn.retrieve_into(toks, rid, pool, slots, start=0, end=n, timeout_s=T,
+                                    skip=skip)
+        if r.ready is not None:
+            r.ready.synchronize()
+        return r
+
+    def after(self, r, rid) -> None:
+        if r.commit is not None:
+            r.commit(T)
+        self.conn.end_session(rid, T)
+
+    def run(self, toks, rid, pool, slots, n) -> float:
+        self.lookup(toks, rid, n)
+        t0 = time.perf_counter()
+        r = self.load(toks, rid, pool, slots, n)
+        dt = time.perf_counter() - t0
+        self.after(r, rid)
+        return dt
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class Copy:
+    """The link limit: one pinned host buffer -> device buffer of the prefix's byte size."""
+
+    def __init__(self, nbytes: int, dev: torch.device) -> None:
+        pin = dev.type == "cuda"
+        self.src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        row = LAYOUT.bytes_per_token  # random bytes, one token's worth repeated (fast to fill)
+        self.src.view(-1, row)[:] = torch.randint(0, 255, (row,), dtype=torch.uint8)
+        self.dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        self.dev = dev
+        self.note = "pinned torch copy_" if pin else "torch copy_"
+
+    def run(self, toks, rid, pool, slots, n) -> float:
+        nb = n * LAYOUT.bytes_per_token
+        _sync(self.dev)
+        t0 = time.perf_counter()
+        self.dst[:nb].copy_(self.src[:nb], non_blocking=True)
+        _sync(self.dev)
+        return time.perf_counter() - t0
+
+    def check(self, n) -> bool:
+        nb = n * LAYOUT.bytes_per_token
+        return torch.equal(self.dst[:nb].cpu(), self.src[:nb])
+
+
+class LMCache:
+    """LMCache 0.5.6's own SGLang MP connector (lmcache_driven: the daemon writes the KV)."""
+
+    def __init__(self, host: str, port: int, pool: KVPool, toks) -> None:
+        """Registers `pool` and stores `toks` from its slots `perm` with LMCache's own STORE
+        (its prefix, its format; the same bytes as ours')."""
+        from lmcache.integration.sglang.multi_process_adapter import (
+            LMCacheMPConnector as LMCConnector)
+        from lmcache.integration.sglang.sglang_adapter import LoadMetadata, StoreMetadata
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("lmcache"):
+                logging.getLogger(name).setLevel(logging.WARNING)
+        self.LoadMetadata = LoadMetadata
+        self.conn = LMCConnector(SimpleNamespace(model_path=MODEL), 1, 0, 1, f"tcp://{host}",
+                                 port, list(pool.k_buffer), list(pool.v_buffer), mq_timeout=T)
+        assert self.conn.chunk_size() == CHUNK
+        self.dev = pool.k_buffer[0].device
+        self.toks = list(toks)
+        self.StoreMetadata = StoreMetadata
+        self.note = "lmcache_driven RETRIEVE, CUDA IPC"
+
+    def store(self, slots) -> None:
+        self.conn.store_kv(self.StoreMetadata(last_node=None, token_ids=self.toks,
+                                              kv_indices=slots, offset=0,
+                                              request_id="lmc-store"))
+
+    def run(self, toks, rid, pool, slots, n) -> float:
+        toks = self.toks[:n]
+        hit = self.conn.lookup_kv(list(toks), rid)
+        assert hit == n, f"lmcache: {hit} of {n} tokens hit"
+        _sync(self.dev)
+        t0 = time.perf_counter()
+        got = self.conn.retrieve_kv(self.LoadMetadata(token_ids=list(toks), slot_mapping=slots,
+                                                      offset=0, request_id=rid))
+        _sync(self.dev)
+        dt = time.perf_counter() - t0
+        assert got == n, f"lmcache: retrieved {got} of {n} tokens"
+        self.conn.end_session(rid)
+        return dt
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _pool(num_slots: int, dev: torch.device, fill: bool) -> KVPool:
+    shape = (num_slots, LAYOUT.num_heads, LAYOUT.head_dim)
+    g = torch.Generator(device=dev).manual_seed(7)
+    mk = (lambda: torch.randn(shape, generator=g, device=dev).to(LAYOUT.dtype)) if fill \
+        else (lambda: torch.zeros(shape, dtype=LAYOUT.dtype, device=dev))
+    layers = range(LAYOUT.num_layers)
+    return KVPool([mk() for _ in layers], [mk() for _ in layers])
+
+
+def _landed(src: KVPool, src_slots, dst: KVPool, dst_slots) -> bool:
+    """Every layer's K and V rows of the prefix equal in both pools (byte-exact)."""
+    return all(torch.equal(a[src_slots].view(torch.int16), b[dst_slots].view(torch.int16))
+               for a, b in zip([*src.k_buffer, *src.v_buffer], [*dst.k_buffer, *dst.v_buffer]))
+
+
+def _poison(pool: KVPool, slots) -> None:
+    for b in [*pool.k_buffer, *pool.v_buffer]:
+        b[slots] = -7.0
+
+
+def _prove(name, c, toks, src, stored, dst, perm, n) -> dict:
+    """Byte-exact proof for one contender at one size; returns what was checked."""
+    dev = dst.k_buffer[0].device
+    skip = SKIP if isinstance(c, Ours) else 0
+    slots = perm[:n - skip].clone()
+    _poison(dst, slots)
+    rid = f"prove-{name}-{n}-{next(_ids)}"
+    if isinstance(c, Ours):
+        c.lookup(toks[:n], rid, n)
+        r = c.load(toks[:n], rid, dst, slots, n, skip=skip)
+        c.after(r, rid)
+    elif isinstance(c, Copy):
+        c.run(toks, rid, dst, slots, n)
+        ok = c.check(n)
+        assert ok, f"copy: bytes differ at {n}"
+        return {"tokens": n, "ok": True}
+    else:
+        c.run(toks[:n], rid, dst, slots.to(dev), n)
+    _sync(dev)
+    ok = _landed(src, stored[skip:n], dst, slots.to(dev))
+    assert ok, f"{name}: landed bytes differ from the stored prefix at {n} tokens (skip {skip})"
+    return {"tokens": n, "skip": skip, "random_slots": True, "ok": True}
+
+
+def _counts(n: int, cap: int) -> dict[str, int]:
+    """Timed samples per contender at n tokens (at most `cap` when cap > 0)."""
+    base, slow = SAMPLES.get(n, 5), PICKLE_SAMPLES.get(n, 3)
+    if cap:
+        base, slow = min(base, cap), min(slow, cap)
+    return {"ours-pickle": slow, "default": base}
+
+
+def _bench_size(n, contenders, toks, dst, perm, cap) -> dict[str, list[float]]:
+    slots = perm[:n].clone()
+    dev = dst.k_buffer[0].device
+    slots_for = {k: (slots.to(dev) if k == "lmcache" else slots) for k in contenders}
+    times = {k: [] for k in contenders}
+    counts = _counts(n, cap)
+    rounds = WARMUP + max(counts.values())
+    names = list(contenders)
+    for i in range(rounds):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for k in order:
+            want = counts.get(k, counts["default"])
+            if i >= WARMUP + want:
+                continue
+            dt = contenders[k].run(toks[:n], f"b{n}-{k}-{i}-{next(_ids)}", dst, slots_for[k], n)
+            if i >= WARMUP:
+                times[k].append(dt)
+    return times
+
+
+def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 0) -> dict:
+    """The whole benchmark at `sizes` on `dev` (a CPU `dev` runs ours and copy only: a smoke
+    test of this harness, no figures)."""
+    t_start = time.monotonic()
+    top = max(sizes)
+    prefix_gb = top * LAYOUT.bytes_per_token / 2**30
+    l1_gb = round(max(1.0, prefix_gb * 1.25 + 0.5), 1)
+    shm_gb = round(max(1.0, prefix_gb * 2.25 + 0.5), 1) if lmcache else l1_gb  # + LMCache's
+    d_shm = DaemonProcess(chunk_size=CHUNK, l1_size_gb=shm_gb, shm_name=f"lbg{os.getpid()}")
+    d_pickle = DaemonProcess(chunk_size=CHUNK, l1_size_gb=l1_gb)
+    closers, result = [], {}
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            for f in [ex.submit(d.start, 180.0) for d in (d_shm, d_pickle)]:
+                f.result()
+        print(f"daemons up in {time.monotonic() - t_start:.1f} s (L1 {shm_gb} / {l1_gb} GB)",
+              flush=True)
+        pool_slots = top + 4096
+        src, dst = _pool(pool_slots, dev, True), _pool(pool_slots, dev, False)
+        g = torch.Generator().manual_seed(11)
+        toks = torch.randint(1, 32000, (top,), generator=g).tolist()
+        stored = torch.randperm(pool_slots, generator=g)[:top].to(dev)
+        perm = torch.randperm(pool_slots, generator=g)[:top]
+        contenders, notes, store_s = {}, {}, {}
+        for name, d, expect in (("ours-shm", d_shm, "shm"), ("ours-pickle", d_pickle, "pickle")):
+            t0 = time.perf_counter()
+            c = contenders[name] = Ours(d.endpoint, dev, expect)
+            closers.append(c.close)
+            print(f"{name}: registered in {time.perf_counter() - t0:.2f} s ({c.note})",
+                  flush=True)
+            t0 = time.perf_counter()
+            assert c.conn.store_from(toks, f"store-{name}", src, stored, timeout_s=T)
+            store_s[name] = time.perf_counter() - t0
+            c.conn.end_session(f"store-{name}", T)
+            print(f"{name}: stored {top} tokens from the {dev.type} pool in "
+                  f"{store_s[name]:.2f} s", flush=True)
+        contenders["copy"] = Copy(top * LAYOUT.bytes_per_token, dev)
+        lmc_error = None
+        if lmcache and dev.type == "cuda":
+            try:  # its own prefix (other token ids) holding the same bytes, stored its way
+                for a, b in zip([*src.k_buffer, *src.v_buffer], [*dst.k_buffer, *dst.v_buffer]):
+                    b[perm.to(dev)] = a[stored]
+                t0 = time.perf_counter()
+                c = LMCache(d_shm.host, d_shm.port, dst, [t + 1 for t in toks])
+                closers.append(c.close)
+                c.store(perm.to(dev))
+                store_s["lmcache"] = time.perf_counter() - t0
+                contenders["lmcache"] = c
+            except Exception as exc:  # noqa: BLE001 - report without it rather than nothing
+                lmc_error = repr(exc)
+                print(f"lmcache contender unavailable: {lmc_error}", flush=True)
+        notes = {k: c.note for k, c in contenders.items()}
+        proofs, rows = {k: [] for k in contenders}, []
+        for n in sizes:
+            for k, c in list(contenders.items()):
+                try:
+                    proofs[k].append(_prove(k, c, toks, src, stored, dst, perm, n))
+                except Exception as exc:
+                    if k != "lmcache":
+                        raise
+                    lmc_error = f"at {n} tokens: {exc!r}"
+                    print(f"lmcache contender dropped: {lmc_error}", flush=True)
+                    del contenders[k]
+            print(f"{n} tokens: byte-exact for {', '.join(contenders)}", flush=True)
+            times = _bench_size(n, contenders, toks, dst, perm, samples)
+            rows.append(_row(n, times))
+            print(f"{n} tokens: " + ", ".join(
+                f"{k} {rows[-1]['median_ms'][k]:.2f} ms" for k in contenders), flush=True)
+        notes = {k: c.note for k, c in contenders.items()}
+        result = _report(rows, notes, dev)
+        result["lmcache_error"] = lmc_error
+        result["proof"] = proofs
+        result["store_s"] = store_s
+    finally:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - best effort; the daemons stop next
+                pass
+        for d in (d_shm, d_pickle):
+            d.stop()
+    result["wall_s"] = time.monotonic() - t_start
+    return result
+
+
+def _row(n, times) -> dict:
+    nb = n * LAYOUT.bytes_per_token
+    ms = {k: median(v) * 1e3 for k, v in times.items()}
+    row = {"tokens": n, "bytes": nb, "samples": {k: len(v) for k, v in times.items()},
+           "median_ms": ms, "gbps": {k: nb / (v / 1e3) / 1e9 for k, v in ms.items()},
+           "samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in times.items()},
+           "ours_over_copy": ms["copy"] / ms["ours-shm"],
+           "pickle_over_copy": ms["copy"] / ms["ours-pickle"]}
+    if "lmcache" in ms:
+        row["ours_over_lmcache"] = ms["lmcache"] / ms["ours-shm"]
+        row["lmcache_over_copy"] = ms["copy"] / ms["lmcache"]
+    return row
+
+
+def _report(rows, notes, dev) -> dict:
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"\nloadback bench gpu: {name}, KV 32 layers x 8 heads x 128 x K,V bf16 "
+          f"({LAYOUT.bytes_per_token // 1024} KiB/token), chunk {CHUNK}, random slots; "
+          "median ms (GB/s); ratio = bytes/s over the pinned copy's")
+    heads = ["contender"] + [(f"{r['tokens'] // 1024}k" if r["tokens"] % 1024 == 0
+                              else str(r["tokens"])) + " tok" for r in rows]
+    body = [[f"{k} ({notes[k]})"] + [f"{fmt(r['median_ms'][k])} ({fmt(r['gbps'][k], 1)})"
+                                     for r in rows] for k in notes]
+    body.append(["ours-shm / copy"] + [fmt(r["ours_over_copy"], 3) for r in rows])
+    body.append(["ours-pickle / copy"] + [fmt(r["pickle_over_copy"], 3) for r in rows])
+    if "lmcache" in notes:
+        body.append(["lmcache / copy"] + [fmt(r["lmcache_over_copy"], 3) for r in rows])
+        body.append(["ours-shm / lmcache (speed)"] + [fmt(r["ours_over_lmcache"], 3)
+                                                     for r in rows])
+    body.append(["samples (shm/pickle)"] + [f"{r['samples']['ours-shm']}/"
+                                            f"{r['samples']['ours-pickle']}" for r in rows])
+    print_table(heads, body)
+    big = [r for r in rows if r["tokens"] >= 4096]
+    one_k = [r for r in rows if r["tokens"] == 1024]
+    out = {"p7_ratio": min((r["ours_over_copy"] for r in big), default=None),
+           "p7_ratio_1k": one_k[0]["ours_over_copy"] if one_k else None,
+           "p7_vs_lmcache": min((r["ours_over_lmcache"] for r in rows
+                                 if "ours_over_lmcache" in r), default=None)}
+    met = {k: (v is not None and v >= TARGETS[k]) for k, v in out.items()}
+    print()
+    for k, v in out.items():
+        print(f"{k:<15} = {fmt(v, 3):>7}   target >= {TARGETS[k]}   "
+              f"{'MET' if met[k] else 'NOT MET'}")
+    return {**out, "targets": {k: f">= {v}" for k, v in TARGETS.items()}, "targets_met": met,
+            "device": name, "torch": torch.__version__, "layout": {
+                "layers": LAYOUT.num_layers, "kv_heads": LAYOUT.num_heads,
+                "head_dim": LAYOUT.head_dim, "dtype": LAYOUT.dtype_str, "chunk": CHUNK,
+                "bytes_per_token": LAYOUT.bytes_per_token},
+            "data_paths": notes, "rows": rows}
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        print("loadback bench gpu needs a CUDA device (torch.cuda.is_available() is False); "
+              "run it on a GPU host")
+        return 0
+    result = run_sizes(SIZES, torch.device("cuda", torch.cuda.current_device()),
+                       samples=int(getattr(args, "samples", 0) or 0))
+    print(f"total wall time {result['wall_s']:.1f} s")
+    if getattr(args, "json", None):
+        write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0

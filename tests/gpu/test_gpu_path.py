@@ -1,0 +1,172 @@
+"""The GPU data path against the real lmcache 0.5.6 daemon: CUDA KV pools (SGLang layout,
+bf16 and fp16), store and load byte-exact through shared memory and pickle, the ready event,
+synchronous mode, CUDA errors as a typed degrade, the segment's lifetime across a daemon
+kill. Skipped where no CUDA device exists (CI); `loadback bench gpu` measures the speed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from connectors.daemon import DaemonProcess
+from connectors.gpu_transfer import GpuTransferError
+from connectors.kv_layout import KVLayout
+from connectors.lmcache_mp import KVPool, LMCacheMPConnector
+
+pytestmark = [pytest.mark.gpu, pytest.mark.daemon,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CHUNK = 16
+T = 30.0
+DEV = torch.device("cuda", 0) if torch.cuda.is_available() else None
+
+
+def _layout(dtype=torch.bfloat16) -> KVLayout:
+    return KVLayout(num_layers=4, num_heads=4, head_dim=64, dtype=dtype, chunk_size=CHUNK)
+
+
+def _pool(layout: KVLayout, slots: int = 2048, fill: bool = True) -> KVPool:
+    shape = (slots, layout.num_heads, layout.head_dim)
+    mk = (lambda: torch.randn(shape, device=DEV).to(layout.dtype)) if fill else (
+        lambda: torch.full(shape, -7.0, dtype=layout.dtype, device=DEV))
+    return KVPool([mk() for _ in range(layout.num_layers)],
+                  [mk() for _ in range(layout.num_layers)])
+
+
+def _rows(pool: KVPool, slots) -> list[torch.Tensor]:
+    return [b[slots.to(DEV)].view(torch.int16).cpu() for b in (*pool.k_buffer, *pool.v_buffer)]
+
+
+@pytest.fixture(scope="module")
+def shm_daemon():
+    d = DaemonProcess(chunk_size=CHUNK, l1_size_gb=0.5, shm_name=f"lbgt{os.getpid()}")
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def pickle_daemon():
+    d = DaemonProcess(chunk_size=CHUNK, l1_size_gb=0.5)
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def conns():
+    made = []
+
+    def make(d, layout, **kw):
+        c = LMCacheMPConnector(d.endpoint, layout, device=DEV, **kw)
+        c.register(T)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def _roundtrip(conn, layout, *, n_tok=5 * CHUNK, skip=5, tag=""):
+    """Store a prefix from random slots of a CUDA pool, load it with a local hit of `skip`
+    tokens into random slots of another; returns (Retrieved, want rows, got-slots, dst)."""
+    src, dst = _pool(layout), _pool(layout, fill=False)
+    toks = torch.randint(1, 30000, (n_tok,)).tolist()
+    stored = torch.randperm(2048)[:n_tok].to(DEV)
+    assert conn.store_from(toks, f"s{tag}", src, stored, timeout_s=T)
+    conn.end_session(f"s{tag}", T)
+    rid = f"r{tag}"
+    assert conn.lookup_hit_tokens(toks, rid, T) == n_tok
+    slots = torch.randperm(2048)[:n_tok - skip].to(DEV)
+    r = conn.retrieve_into(toks, rid, dst, slots, start=0, end=n_tok, timeout_s=T, skip=skip)
+    return r, _rows(src, stored[skip:]), slots, dst, rid
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layout_reads_off_a_cuda_pool(dtype):
+    lay = _layout(dtype)
+    pool = _pool(lay)
+    assert KVLayout.from_pool(pool.k_buffer, pool.v_buffer, CHUNK) == lay
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("which", ["shm", "pickle"])
+def test_store_and_load_byte_exact_into_cuda_pool(dtype, which, shm_daemon, pickle_daemon,
+                                                   conns):
+    lay = _layout(dtype)
+    conn = conns(shm_daemon if which == "shm" else pickle_daemon, lay)
+    assert conn.transfer == which  # auto chose by what the daemon offers
+    r, want, slots, dst, rid = _roundtrip(conn, lay, tag=f"{which}{dtype}")
+    assert isinstance(r.ready, torch.cuda.Event)
+    torch.cuda.current_stream().wait_event(r.ready)  # the engine's forward stream
+    assert all(torch.equal(a, b) for a, b in zip(_rows(dst, slots), want))
+    assert r.nbytes == 5 * lay.chunk_bytes
+    r.commit(T)  # paid once ready completed
+    conn.end_session(rid, T)
+
+
+def test_shm_segment_is_page_locked_at_registration(shm_daemon, conns):
+    conn = conns(shm_daemon, _layout())
+    assert conn._shm.bytes.is_pinned()
+    assert conn._gpu.segment is not None and conn._gpu.segment.registered
+
+
+def test_sync_mode_lands_before_returning(shm_daemon, conns):
+    lay = _layout()
+    conn = conns(shm_daemon, lay, gpu_sync=True)
+    r, want, slots, dst, rid = _roundtrip(conn, lay, tag="sync")
+    assert r.ready is None
+    assert all(torch.equal(a, b) for a, b in zip(_rows(dst, slots), want))
+    r.commit(T)
+
+
+def test_cuda_error_degrades_with_a_reason_and_owes_the_commit(shm_daemon, conns,
+                                                               monkeypatch):
+    import connectors.gpu_transfer as gt
+
+    def broken(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    lay = _layout()
+    conn = conns(shm_daemon, lay)
+    src = _pool(lay)
+    toks = torch.randint(1, 30000, (3 * CHUNK,)).tolist()
+    assert conn.store_from(toks, "e-s", src, torch.arange(3 * CHUNK, device=DEV), timeout_s=T)
+    assert conn.lookup_hit_tokens(toks, "e-r", T) == 3 * CHUNK
+    monkeypatch.setattr(gt, "_copy_chunks", broken)
+    with pytest.raises(GpuTransferError) as ei:
+        conn.retrieve_into(toks, "e-r", _pool(lay, fill=False),
+                           torch.arange(3 * CHUNK, device=DEV), start=0, end=3 * CHUNK,
+                           timeout_s=T)
+    assert ei.value.reason == "copy_failed" and callable(ei.value.owed)
+    ei.value.owed(T)
+    conn.end_session("e-r", T)
+
+
+def test_daemon_killed_mid_copy_cannot_unmap_the_segment(conns):
+    """The copy reads this process's own mapping: a SIGKILLed daemon and the re-registration
+    with its successor leave it mapped and page-locked until the copy completed."""
+    d = DaemonProcess(chunk_size=CHUNK, l1_size_gb=0.5, shm_name=f"lbgk{os.getpid()}")
+    d.start()
+    try:
+        lay = KVLayout(num_layers=32, num_heads=8, head_dim=128, dtype=torch.bfloat16,
+                       chunk_size=CHUNK)  # 2 MiB a chunk: the copy outlasts the kill
+        conn = conns(d, lay)
+        n = 64 * CHUNK
+        src, dst = _pool(lay, slots=n + 64), _pool(lay, slots=n + 64, fill=False)
+        toks = torch.randint(1, 30000, (n,)).tolist()
+        assert conn.store_from(toks, "k-s", src, torch.arange(n, device=DEV), timeout_s=T)
+        assert conn.lookup_hit_tokens(toks, "k-r", T) == n
+        slots = torch.randperm(n + 64)[:n].to(DEV)
+        r = conn.retrieve_into(toks, "k-r", dst, slots, start=0, end=n, timeout_s=T)
+        d.kill()  # while the copy may still be reading the daemon's memory
+        d.start()
+        conn.register(T)  # the heartbeat's re-registration: a new segment, the old retired
+        r.ready.synchronize()
+        assert all(torch.equal(a, b) for a, b in
+                   zip(_rows(dst, slots), _rows(src, torch.arange(n))))
+    finally:
+        d.stop()

@@ -1,0 +1,188 @@
+"""The GPU data path's logic with CPU tensors: pieces, skip, pinned staging, gather, segment
+lifetime. The CUDA-only parts (cudaHostRegister, streams, events, the Triton kernel) run in
+tests/gpu on a GPU host."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+import torch
+
+from connectors.gpu_transfer import GpuTransfer, GpuTransferError, _cuda_call, _pieces
+from connectors.kv_layout import KVLayout, gather_chunks
+from connectors.lmcache_mp import KVPool, _ShmPool, scatter_skipping
+from connectors import wire
+
+LAYOUT = KVLayout(num_layers=3, num_heads=2, head_dim=8, dtype=torch.bfloat16, chunk_size=16)
+
+
+def _pool(slots: int = 512, fill: bool = False) -> KVPool:
+    shape = (slots, LAYOUT.num_heads, LAYOUT.head_dim)
+    mk = (lambda: torch.randn(shape).to(LAYOUT.dtype)) if fill else (
+        lambda: torch.full(shape, -7.0, dtype=LAYOUT.dtype))
+    return KVPool([mk() for _ in range(LAYOUT.num_layers)],
+                  [mk() for _ in range(LAYOUT.num_layers)])
+
+
+def _segment_chunks(n: int, order: list[int] | None = None):
+    """n random chunks laid out in a uint8 'segment' (in `order` of slots), as views."""
+    seg = torch.zeros((n + 2) * LAYOUT.chunk_bytes, dtype=torch.uint8)
+    order = order or list(range(n))
+    views = []
+    for j in range(n):
+        off = order[j] * LAYOUT.chunk_bytes
+        v = seg[off:off + LAYOUT.chunk_bytes].view(LAYOUT.dtype).view(LAYOUT.chunk_shape)
+        v.copy_(torch.randn(LAYOUT.chunk_shape).to(LAYOUT.dtype))
+        views.append(v)
+    return seg, views
+
+
+def _expected(chunks, slots, skip) -> KVPool:
+    want = _pool()
+    scatter_skipping(LAYOUT, [c.clone() for c in chunks], want, slots, skip)
+    return want
+
+
+def _same(a: KVPool, b: KVPool) -> bool:
+    return all(torch.equal(x.view(torch.int16), y.view(torch.int16))
+               for x, y in zip([*a.k_buffer, *a.v_buffer], [*b.k_buffer, *b.v_buffer]))
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3, 7])
+@pytest.mark.parametrize("skip", [0, 5])
+@pytest.mark.parametrize("back_to_back", [True, False])
+def test_segment_load_lands_every_row_in_its_slot(pieces, skip, back_to_back):
+    n = 5
+    seg, chunks = _segment_chunks(n, None if back_to_back else [4, 0, 3, 1, 2])
+    slots = torch.randperm(512)[:n * 16 - skip]
+    gt = GpuTransfer("cpu", pieces=pieces)
+    gt.attach(seg)
+    pool = _pool()
+    assert gt.load(LAYOUT, chunks, pool, slots, skip, from_segment=True) is None  # CPU: done
+    assert _same(pool, _expected(chunks, slots, skip))
+
+
+@pytest.mark.parametrize("skip", [0, 11])
+def test_pickle_load_goes_through_staging_byte_exact(skip, monkeypatch):
+    import connectors.gpu_transfer as gt_mod
+    monkeypatch.setattr(gt_mod, "PICKLE_PIECE_BYTES", LAYOUT.chunk_bytes * 2)  # 3 pieces of 2
+    chunks = [torch.randn(LAYOUT.chunk_shape).to(LAYOUT.dtype) for _ in range(6)]
+    slots = torch.randperm(512)[:6 * 16 - skip]
+    gt = GpuTransfer("cpu", pieces=1)
+    pool = _pool()
+    gt.load(LAYOUT, chunks, pool, slots, skip, from_segment=False)
+    assert _same(pool, _expected(chunks, slots, skip))
+
+
+def test_segment_load_without_attached_segment_is_a_typed_error():
+    _, chunks = _segment_chunks(2)
+    with pytest.raises(GpuTransferError, match="no_segment"):
+        GpuTransfer("cpu").load(LAYOUT, chunks, _pool(), torch.arange(32), 0, from_segment=True)
+
+
+@pytest.mark.parametrize("indices", [[0, 1, 2, 3], [2, 0], []])
+def test_store_gathers_selected_chunks_into_views_and_staging(indices):
+    src = _pool(fill=True)
+    slots = torch.randperm(512)[:4 * 16]
+    want = gather_chunks(LAYOUT, src.k_buffer, src.v_buffer, slots, chunk_indices=indices)
+    gt = GpuTransfer("cpu")
+    got = gt.store(LAYOUT, src, slots, indices, out=None)
+    assert len(got) == len(indices) and all(torch.equal(a, b) for a, b in zip(got, want))
+    seg, views = _segment_chunks(len(indices))
+    gt.store(LAYOUT, src, slots, indices, out=views)
+    assert all(torch.equal(a, b) for a, b in zip(views, want))
+
+
+def test_pieces_cover_every_chunk_once():
+    for n in range(1, 20):
+        for k in range(1, 9):
+            b = _pieces(n, k)
+            assert b[0][0] == 0 and b[-1][1] == n and len(b) == min(n, k)
+            assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
+
+
+class _Ev:
+    """A completion event stand-in (the CUDA one needs a GPU): done when told."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_replaced_segment_stays_mapped_until_its_loads_complete():
+    gt = GpuTransfer("cpu")
+    old = torch.zeros(64, dtype=torch.uint8)
+    gt.attach(old)
+    ev = _Ev()
+    gt.segment.hold(ev)  # a load still reading the old segment
+    first = gt.segment
+    gt.attach(torch.zeros(64, dtype=torch.uint8))  # re-registration (daemon restarted)
+    assert first.bytes is old and gt._retired == [first]
+    ev.done = True
+    gt.attach(None)  # next registration reaps it
+    assert first.bytes is None and gt._retired == []
+    gt.close()
+
+
+def test_close_waits_for_running_loads():
+    gt = GpuTransfer("cpu")
+    gt.attach(torch.zeros(64, dtype=torch.uint8))
+    ev = _Ev()
+    gt.segment.hold(ev)
+    gt.close()
+    assert ev.done and gt.segment is None
+
+
+def test_cuda_errors_become_a_degrade_with_a_reason():
+    def boom():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+    with pytest.raises(GpuTransferError) as ei:
+        _cuda_call("copy_failed", boom)
+    assert ei.value.reason == "copy_failed" and "illegal memory access" in str(ei.value)
+    from connectors.errors import ConnectorError
+    assert isinstance(ei.value, ConnectorError)
+
+
+def test_bad_options_name_the_fix():
+    with pytest.raises(ValueError, match="pieces must be >= 1"):
+        GpuTransfer("cpu", pieces=0)
+    with pytest.raises(ValueError, match="scatter must be 'auto', 'torch' or 'triton'"):
+        GpuTransfer("cpu", scatter="fast")
+
+
+def test_closing_the_shm_pool_keeps_the_mapping_under_a_live_view():
+    name = f"lbtest{os.getpid()}"
+    path = "/dev/shm/" + name
+    size = LAYOUT.chunk_bytes * 2
+    with open(path, "wb") as f:
+        f.truncate(size)
+    try:
+        pool = _ShmPool(name, size)
+        slot = wire.ShmSlot(offset=LAYOUT.chunk_bytes, length=LAYOUT.chunk_bytes,
+                            shape=list(LAYOUT.chunk_shape), dtype=LAYOUT.dtype_str)
+        view = pool.view(slot, LAYOUT)
+        view.fill_(1.5)
+        m = pool._map
+        pool.close()  # e.g. re-registration after a restart, while a copy still reads
+        assert not m.closed, "the mapping was unmapped under a live view"
+        assert bool((view == 1.5).all())
+        del view
+    finally:
+        os.unlink(path)
+
+
+def test_mmap_close_needs_the_memoryview_export():
+    """Why _ShmPool maps through a memoryview: a plain frombuffer view does not pin it."""
+    m = mmap.mmap(-1, 4096)
+    t = torch.frombuffer(memoryview(m), dtype=torch.uint8)[8:16]
+    with pytest.raises(BufferError):
+        m.close()
+    del t
+    m.close()
