@@ -353,13 +353,32 @@ class LoadBackRadixCache(RadixCache):
         job = self._lookups.get(handle)
         if job is None:
             return True
-        return self._worker.resolve(job, time.monotonic()) is not None
+        tokens = self._worker.resolve(job, time.monotonic())
+        if tokens is None:
+            return False
+        del self._lookups[handle]
+        job.promise.tokens = tokens
+        self._promises[handle] = job.promise
+        self._checked(handle, job.promise)
+        return True
 
     def terminate_prefetch(self, handle) -> None:
         self._drop(handle, abort=True)
 
+    def pop_prefetch_loaded_span(self, handle) -> tuple[int, int | None]:
+        """The daemon's share of the prefix (SGLang reports it as the storage hit)."""
+        p = self._promises.get(handle)
+        if p is None or p.tokens <= 0:
+            return 0, None
+        return p.tokens, p.local_tokens
+
     def pop_prefetch_loaded_tokens(self, handle) -> int:
-        return 0  # loads happen in init_load_back, counted there
+        return self.pop_prefetch_loaded_span(handle)[0]
+
+    def clear_storage_backend(self) -> bool:
+        """/clear_hicache_storage: the daemon is shared with other engines; never cleared here."""
+        log.warning("loadback: clearing the LMCache daemon from SGLang is not supported")
+        return False
 
     def is_backuped(self, node) -> bool:
         return True  # the daemon keys by tokens: any device node anchors a lookup

@@ -42,7 +42,12 @@ def test_stored_prefix_evicted_then_loaded_back_byte_exact(live_daemon, make_cac
     free_before = cache.token_to_kv_pool_allocator.available_size()
     assert cache.evictable_size() == 0
     b = s.new_req("b", ids + [7, 8, 9])
-    got = s.admit(b)
+    if NEW_API:
+        s.prefetch(b)
+        s.poll(b)
+        # What SGLang reports as the storage hit (cached_tokens_details "storage").
+        assert cache.pop_prefetch_loaded_span(b.cache_request_handle) == (5 * CHUNK, 0)
+    got = s.admit(b, prefetch=not NEW_API)
     assert got["host_hit"] == 5 * CHUNK and got["loaded"] == 5 * CHUNK
     assert kv_matches(s.pool, got["loaded_slots"], ids[: 5 * CHUNK], 0)
     tree_consistent(cache)
