@@ -38,7 +38,13 @@ venv: $(BIN)/.installed
 
 sglang-envs: $(SGLANG_VENVS)
 
-demo: venv
+# The real SGLang server with this backend beside upstream's, daemon killed and restarted
+# midway; `make demo DEMO_JSON=FILE` also writes the figures as JSON.
+demo: .venv-sglang-0.5.23/.installed
+	.venv-sglang-0.5.23/bin/loadback sglang-demo $(if $(DEMO_JSON),--json $(DEMO_JSON))
+
+# The simulated-engine demo: the orchestrator alone against a real daemon.
+demo-sim: venv
 	$(BIN)/loadback demo
 
 # Prometheus and promtool for tests/integration/test_prometheus.py: installed here, once,

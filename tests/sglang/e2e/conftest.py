@@ -1,0 +1,97 @@
+"""End-to-end: a real `python -m sglang.launch_server` 0.5.23 on CPU with the tiny llama config
+(dummy weights), a real lmcache 0.5.6 daemon on a free loopback port, the fault proxy between
+them, HTTP /generate with token ids at temperature 0.
+
+Run by `make test` in .venv-sglang-0.5.23 only. One server per scenario group (a start is
+14-60 s here, a stop ~7 s); servers, daemons and proxies are stopped by what started them.
+Measured figures go to stdout (`-s`) and, when LOADBACK_E2E_REPORT names a file, as JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+import sglang  # a missing sglang fails the run: never a silent skip
+
+from connectors.daemon import DaemonProcess, free_port
+from connectors.fault_proxy import FaultProxy
+from orchestrator.tools.sglang_server import SGLangServer, write_loadback_yaml, write_upstream_yaml
+
+from .helpers import CHUNK, Stack
+
+E2E_SGLANG = "0.5.23"
+# Upstream's blocking calls give up after this (its default is 300 s); short so the comparison
+# finishes, long enough to tell a block from a slow prefill.
+UPSTREAM_MQ_TIMEOUT_S = 3.0
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sglang_version():
+    if sglang.__version__ != E2E_SGLANG:
+        pytest.fail(f"the end-to-end tests run on sglang {E2E_SGLANG}; this venv has "
+                    f"{sglang.__version__} (run them with .venv-sglang-{E2E_SGLANG}/bin/python)")
+
+
+def report(name: str, **figures) -> None:
+    """Print a measured figure set and append it to LOADBACK_E2E_REPORT when set."""
+    line = json.dumps({"figure": name, **figures}, default=str)
+    print(f"\nE2E {line}")
+    path = os.environ.get("LOADBACK_E2E_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+@pytest.fixture(scope="module")
+def make_stack(tmp_path_factory):
+    """Build SGLang + daemon + fault proxy; `kind` "loadback" (ours) or "upstream"
+    (`--enable-lmcache` alone). `daemon_up=False` starts the server with nothing listening on
+    the LMCache port (the test starts daemon and proxy later through `bring_up`)."""
+    made: list[Stack] = []
+
+    def make(kind: str, *, daemon_up: bool = True, deadline_s: float = 30.0) -> Stack:
+        run_dir = tmp_path_factory.mktemp(f"e2e-{kind}")
+        daemon = DaemonProcess(chunk_size=CHUNK, http=True, log_dir=str(run_dir))
+        port = free_port()
+        if kind == "loadback":
+            cfg = write_loadback_yaml(run_dir / "loadback.yaml", port, chunk_size=CHUNK)
+            backend = "loadback"
+        elif kind == "upstream":
+            cfg = write_upstream_yaml(run_dir / "upstream.yaml", port,
+                                      mq_timeout_s=UPSTREAM_MQ_TIMEOUT_S)
+            backend = None
+        else:
+            raise ValueError(f"kind must be 'loadback' or 'upstream', got {kind!r}")
+        server = SGLangServer(python=sys.executable, lmcache_config=cfg, backend=backend,
+                              log_path=run_dir / "server.log")
+        stack = Stack(server=server, daemon=daemon, proxy=None, deadline_s=deadline_s,
+                      proxy_port=port)
+        made.append(stack)
+        if daemon_up:
+            bring_up(stack)
+        server.start()
+        return stack
+
+    yield make
+    for st in made:
+        st.close()
+
+
+def bring_up(stack: Stack) -> float:
+    """Start the daemon (and the proxy in front of it, on the port the YAML names); returns the
+    monotonic time it was ready."""
+    if stack.daemon.proc is None or stack.daemon.proc.poll() is not None:
+        stack.daemon.start()
+    if stack.proxy is None:
+        stack.proxy = FaultProxy(stack.daemon.endpoint, port=stack.proxy_port).start()
+    return time.monotonic()
