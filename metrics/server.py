@@ -82,8 +82,11 @@ def start_metrics_server(host: str = "127.0.0.1", port: int = 0, registry=None) 
             errno.EADDRNOTAVAIL, f"metrics server cannot resolve host {host!r} ({e}); "
             "use an address of this machine such as 127.0.0.1") from e
     except OSError as e:
-        why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        if e.errno == errno.EADDRNOTAVAIL:
+            why, fix = "not an address of this machine", "use one it has, such as 127.0.0.1"
+        else:
+            why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+            fix = "pick another port, or 0 for a free one"
         raise MetricsServerBindError(
-            e.errno, f"metrics server cannot bind {host}:{port}: {why}; "
-            "pick another port, or 0 for a free one") from e
+            e.errno, f"metrics server cannot bind {host}:{port}: {why}; {fix}") from e
     return MetricsServer(httpd, thread, host, reg)

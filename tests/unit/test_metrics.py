@@ -313,6 +313,13 @@ def test_port_in_use_gives_clear_oserror():
     assert "pick another port" in msg and "0" in msg
 
 
+def test_an_address_this_host_lacks_names_the_fix():
+    with pytest.raises(MetricsServerBindError) as ei:
+        start_metrics_server(host="192.0.2.1", registry=make())  # TEST-NET-1: never local
+    msg = str(ei.value)
+    assert "192.0.2.1:0" in msg and "not an address of this machine" in msg and "127.0.0.1" in msg
+
+
 MP_WORKER = textwrap.dedent("""
     import json, sys, urllib.request
     from metrics import start_metrics_server
