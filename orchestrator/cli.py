@@ -15,7 +15,28 @@ import sys
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-EXIT_INVALID, EXIT_UNREADABLE = 2, 3
+EXIT_INVALID, EXIT_UNREADABLE, EXIT_USAGE = 2, 3, 64
+
+
+class _UsageParser(argparse.ArgumentParser):
+    """argparse exits 2 on bad usage, which here means an invalid config: use 64 (EX_USAGE)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _deadlines_line(cfg) -> str:
+    """What bounds each call, beside upstream's one 300 s timeout for all of them."""
+    d = cfg.deadlines
+    cap_tokens = (d.retrieve_max_ms - d.retrieve_base_ms) * 1024 / d.retrieve_per_ki_token_ms \
+        if d.retrieve_per_ki_token_ms else 0
+    return (f"lookup {d.lookup_ms:g} ms; retrieve {d.retrieve_base_ms:g} ms + "
+            f"{d.retrieve_per_ki_token_ms:g} ms per 1024 tokens, capped at {d.retrieve_max_ms:g} ms"
+            f" (reached at {cap_tokens:,.0f} tokens); control {d.control_ms:g} ms; store "
+            f"{d.store_ms:g} ms; connect {d.connect_ms:g} ms. Upstream bounds each of these by "
+            "lmcache.mp.mq_timeout (default 300 s); here a dead daemon costs a request at most "
+            "its own deadline, then it recomputes")
 
 
 def _config_cmd(args: argparse.Namespace) -> int:
@@ -23,8 +44,12 @@ def _config_cmd(args: argparse.Namespace) -> int:
 
     try:
         if args.action == "validate":
-            LoadBackConfig.from_yaml(args.file)
+            cfg, upstream_rows = LoadBackConfig.read(args.file)
             print(f"{args.file}: valid")
+            for row in upstream_rows:  # how an upstream LMCache file's keys map onto ours
+                print(f"  {row.key} = {row.value!r}: {row.note}")
+            if upstream_rows:
+                print(f"  deadlines in force: {_deadlines_line(cfg)}")
             return 0
         rows = LoadBackConfig.explain(args.file)
     except ConfigError as exc:
@@ -60,7 +85,7 @@ def _diagram_cmd(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loadback", description=__doc__.splitlines()[0])
+    parser = _UsageParser(prog="loadback", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("config", help="validate or show a YAML config")

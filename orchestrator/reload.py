@@ -46,6 +46,11 @@ class ConfigReloader:
                           self.orch.generation, exc)
                 self.orch.metrics.config_reload_failed()
                 return False
+            except Exception as exc:  # a validation bug must not end the reload thread
+                log.error("config reload failed unexpectedly, generation %d stays in force: "
+                          "%s: %s", self.orch.generation, type(exc).__name__, exc)
+                self.orch.metrics.config_reload_failed()
+                return False
             log.info("config generation %d loaded from %s", self.orch.generation, self.path)
             return True
 

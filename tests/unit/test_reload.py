@@ -68,3 +68,52 @@ def test_sighup_reloads(orch, tmp_path):
         assert orch.config.retries.max_attempts == 1 and gen(orch) == 2
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("data", [
+    b"chunk_size: 16\nmodel_name: caf\xe9\n",                      # not UTF-8
+    b"chunk_size: 16\ndeadlines: " + b"[" * 500 + b"]" * 500 + b"\n",  # nested 500 deep
+    b"chunk_size: 16\ndeadlines:\n  lookup_ms: .inf\n",
+    b"chunk_size: 16\nchunk_size: 16\n",
+    b"chunk_size: 16\nextra_config:\n  lmcache.mp.mq_timeout: soon\n",
+    b"chunk_size: 16\nmp_host: ''\n",
+])
+def test_hostile_file_is_refused_and_counted(orch, tmp_path, data, caplog):
+    f = tmp_path / "c.yaml"
+    f.write_bytes(data)
+    before = orch.config
+    assert ConfigReloader(orch, f, install_sighup=False).reload_now() is False
+    assert orch.config is before and gen(orch) == 1 and failures(orch) == 1
+    assert f"config reload rejected, generation 1 stays in force: {f}: " in caplog.text
+
+
+def test_reload_thread_survives_a_bad_file_on_sighup(orch, tmp_path):
+    """SIGHUP with a non-UTF-8 file: counted; the next SIGHUP with a good file still applies."""
+    f = tmp_path / "c.yaml"
+    f.write_bytes(b"chunk_size: 16\nretries:\n  max_attempts: \xff\n")
+    r = ConfigReloader(orch, f)
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and failures(orch) < 1:
+            time.sleep(0.01)
+        assert failures(orch) == 1 and gen(orch) == 1
+        f.write_text("chunk_size: 16\nretries:\n  max_attempts: 1\n")
+        os.kill(os.getpid(), signal.SIGHUP)
+        while time.monotonic() < end and gen(orch) < 2:
+            time.sleep(0.01)
+        assert orch.config.retries.max_attempts == 1 and gen(orch) == 2 and failures(orch) == 1
+    finally:
+        r.close()
+
+
+def test_unexpected_error_in_reload_is_counted_not_raised(orch, tmp_path, monkeypatch):
+    f = tmp_path / "c.yaml"
+    f.write_text("chunk_size: 16\n")
+
+    def broken(path):
+        raise RuntimeError("validation bug")
+
+    monkeypatch.setattr(LoadBackConfig, "from_yaml", staticmethod(broken))
+    assert ConfigReloader(orch, f, install_sighup=False).reload_now() is False
+    assert failures(orch) == 1 and gen(orch) == 1
