@@ -148,6 +148,10 @@ class LoadBackRadixCache(RadixCache):
 
         path = getattr(ctx.server_args, "lmcache_config_file", None)
         if not path:
+            from sglang.srt.runtime_context import get_memory
+
+            path = getattr(get_memory(), "lmcache_config_file", None)
+        if not path:
             raise ValueError(
                 "--radix-cache-backend loadback needs --lmcache-config-file FILE (this "
                 "product's YAML, or an LMCache MP YAML with mp_host/mp_port)")

@@ -278,33 +278,37 @@ def tree_consistent(cache) -> None:
     assert cache.protected_size() == protected, (cache.protected_size(), protected)
 
 
+def make_params(page_size: int, slots: int = 1024):
+    """SGLang's real pools and allocator, as the scheduler builds them (CPU)."""
+    from sglang.srt.mem_cache.allocator import (
+        PagedTokenToKVPoolAllocator,
+        TokenToKVPoolAllocator,
+    )
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    publish(page_size)
+    kv = MHATokenToKVPool(slots, page_size=page_size, dtype=torch.float16, head_num=2,
+                          head_dim=16, layer_num=2, device="cpu", enable_memory_saver=False)
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(slots, torch.float16, "cpu", kv, need_sort=False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(slots, page_size, torch.float16, "cpu", kv,
+                                            need_sort=False)
+    r2t = ReqToTokenPool(16, 2048, "cpu", False)
+    return CacheInitParams(disable=False, req_to_token_pool=r2t,
+                           token_to_kv_pool_allocator=alloc, page_size=page_size)
+
+
 @pytest.fixture
 def make_cache(request):
     """Build LoadBackRadixCache on SGLang's real pools; closed after the test."""
     made = []
 
     def build(page_size: int, config: LoadBackConfig, *, slots: int = 1024, **kw):
-        from sglang.srt.mem_cache.allocator import (
-            PagedTokenToKVPoolAllocator,
-            TokenToKVPoolAllocator,
-        )
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-
         from orchestrator.hook.radix_cache import LoadBackRadixCache
 
-        publish(page_size)
-        kv = MHATokenToKVPool(slots, page_size=page_size, dtype=torch.float16, head_num=2,
-                              head_dim=16, layer_num=2, device="cpu", enable_memory_saver=False)
-        if page_size == 1:
-            alloc = TokenToKVPoolAllocator(slots, torch.float16, "cpu", kv, need_sort=False)
-        else:
-            alloc = PagedTokenToKVPoolAllocator(slots, page_size, torch.float16, "cpu", kv,
-                                                need_sort=False)
-        r2t = ReqToTokenPool(16, 2048, "cpu", False)
-        params = CacheInitParams(disable=False, req_to_token_pool=r2t,
-                                 token_to_kv_pool_allocator=alloc, page_size=page_size)
-        cache = LoadBackRadixCache(params, config=config, **kw)
+        cache = LoadBackRadixCache(make_params(page_size, slots), config=config, **kw)
         made.append(cache)
         return cache
 

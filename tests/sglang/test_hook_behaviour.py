@@ -177,3 +177,41 @@ def test_scheduler_thread_wait_on_daemon_per_request(live_daemon, make_cache, ca
         print(f"\nscheduler-thread wait per request (sglang {compat.sglang_version()}, "
               f"{8 * CHUNK}-token hit): p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
     assert p99 < 1.5  # lookup + retrieve deadlines bound it
+
+
+def build_context(config_file):
+    """SGLang's own TreeCacheBuildContext, as create_tree_cache hands it to the factory."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    from .conftest import make_params
+
+    values = {f.name: None for f in dataclasses.fields(TreeCacheBuildContext)}
+    values.update(server_args=SimpleNamespace(lmcache_config_file=config_file),
+                  params=make_params(16), is_hybrid_swa=False, is_hybrid_ssm=False,
+                  enable_hierarchical_cache=False, disable_radix_cache=False,
+                  tp_size=1, tp_rank=0)
+    return TreeCacheBuildContext(**values)
+
+
+def test_factory_builds_from_sglang_build_context(tmp_path, monkeypatch):
+    from orchestrator.hook import build_cache
+    from orchestrator.hook.radix_cache import LoadBackRadixCache
+
+    with pytest.raises(ValueError, match="--lmcache-config-file"):
+        build_cache(build_context(None))
+    cfg = tmp_path / "loadback.yaml"
+    cfg.write_text("mp_host: 127.0.0.1\nmp_port: 1\nchunk_size: 16\n")
+    cache = build_cache(build_context(str(cfg)))   # no daemon there: a degraded start
+    try:
+        assert isinstance(cache, LoadBackRadixCache)
+    finally:
+        cache.close()
+    monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(compat, "sglang_version", lambda: "0.5.99")
+    with pytest.raises(compat.UnsupportedSGLang, match="0.5.99"):
+        build_cache(build_context(str(cfg)))
+    monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
+    build_cache(build_context(str(cfg))).close()

@@ -104,6 +104,10 @@ def test_lookup_fault_recomputes_within_deadline(live_daemon, make_cache, page, 
         live_daemon.resume()
     if fault == "sigkill":
         live_daemon.start()
+    else:
+        # The LOOKUP that outlived its deadline is settled once the daemon answers again.
+        wait_for(lambda: live_daemon.held()["read_locks"] == 0, 15, "the late LOOKUP's locks")
+        wait_for(lambda: live_daemon.held()["sessions"] == 0, 15, "the late LOOKUP's session")
     ready(cache)
     s.calls.clear()
     wait_for(lambda: _loads_again(s), 30, "hits to resume after the fault")
