@@ -4,10 +4,11 @@ Who calls it: the SGLang cache hook (match_prefix -> `match`, init_load_back ->
 `load_back`, cache_finished_req -> `store` + `finish`, abort -> `abort`), the demo, the
 chaos harness and the benchmarks. Nothing here may block past a deadline or raise into
 the engine for a daemon failure: failures become `degraded` with a reason, and the
-engine recomputes. Where a RETRIEVE is sent: `_retrieve`; where its deadline is decided:
-`load_back` (config.deadlines.retrieve_s); what a failure means: `failures.FAILURES`;
-where its outcome is counted: `_settle`. What the daemon is owed, and the heartbeat, live
-in the `DaemonLink` (link.py); which read locks are still ours to free, in `Lease`.
+engine recomputes. Where a RETRIEVE is sent: `PrefixCalls.retrieve` (calls.py); where its
+deadline is decided: `load_back` (config.deadlines.retrieve_s); what a failure means:
+`failures.FAILURES`; where its outcome is counted: `_settle`. What the daemon is owed, and
+the heartbeat, live in the `DaemonLink` (link.py); which read locks are still ours to
+free, in `Lease` (leases.py).
 
 Tensor parallel: every rank makes the same sequence of collectives on every path of
 `match` and `load_back` (SGLang's scheduler is SPMD), so no rank waits alone.
@@ -15,60 +16,28 @@ Tensor parallel: every rank makes the same sequence of collectives on every path
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from connectors.base import Connector, Retrieved
-from connectors.errors import (
-    ConnectorError,
-    DaemonRejected,
-    DaemonTimeout,
-    DaemonUnavailable,
-    SlotsError,
-)
+from connectors.base import Connector
+from connectors.errors import ConnectorError, SlotsError
 from metrics import LoadbackMetrics
 
+from .calls import Prefix, PrefixCalls
 from .config import ConfigError, LoadBackConfig
-from .failures import LookupUnsettled, classify
 from .instruments import product_metrics
 from .leases import Lease, RequestKey
 from .link import DaemonLink
-from .policies import BreakEvenGuard, CircuitBreaker, Clock, monotonic, run_with_retries
+from .policies import BreakEvenGuard, CircuitBreaker, Clock, monotonic
 from .results import LoadResult, MatchResult
 from .states import DegradeReason, PrefixState, fire
 from .tp import TPAgreement
 
-log = logging.getLogger("loadback")
 R = DegradeReason
 S = PrefixState
-
-
-@dataclass(eq=False)
-class Prefix:
-    """One request prefix's walk through the machine, and the marker of its promise."""
-
-    key: RequestKey
-    local_tokens: int
-    epoch: int                    # the daemon incarnation its LOOKUP went to
-    lease: Lease
-    state: str = S.LOOKING_UP.value
-    hit_tokens: int = 0
-    retrieve_from: int = 0        # chunk-aligned start of the range to retrieve
-    reason: DegradeReason | None = None
-    attempts: int = 0
-
-    @property
-    def request_id(self) -> str:
-        return self.key.request_id
-
-    @property
-    def promised_tokens(self) -> int:
-        return max(0, self.hit_tokens - self.local_tokens)
 
 
 class LoadBackOrchestrator:
@@ -103,6 +72,8 @@ class LoadBackOrchestrator:
         self.metrics.config_generation(1)
         self.link = DaemonLink(connector, config, self.breaker, self.metrics, background=bool(
             start_heartbeat if start_heartbeat is not None else config.heartbeat.enabled))
+        self.calls = PrefixCalls(connector, self.link, self.breaker, self.metrics, clock, sleep,
+                                 kv_pool)
 
     # ------------------------------------------------------------------ match
 
@@ -132,13 +103,13 @@ class LoadBackOrchestrator:
         epoch = self.link.registered_epoch
         p = Prefix(key, local_hit_tokens, epoch, Lease(key, epoch))
         self._touch_session(request_id, epoch)
-        hit, reason = self._lookup(p, self.config.deadlines.lookup_ms / 1000)
+        hit, reason = self.calls.lookup(p, self.config.deadlines.lookup_ms / 1000)
         # One decision across TP ranks: a failed rank reports -1, the minimum wins.
         agreed = self.tp.min(hit if reason is None else -1)
         result = "error" if agreed < 0 else "hit" if agreed > local_hit_tokens else "miss"
         self.metrics.observe_lookup(self.clock() - start, result)
         if agreed <= local_hit_tokens:
-            self._free(p, 0, hit)
+            self.calls.free(p, 0, hit)
             if agreed < 0:
                 self._enter(p)
                 self._finish_degraded(p, reason or R.TP_PEER_FAILED)
@@ -147,54 +118,16 @@ class LoadBackOrchestrator:
         p.hit_tokens = agreed
         self._enter(p)
         self._fire(p, "hit")
-        self._free(p, agreed, hit)  # this rank may hold more than the group agreed on
+        self.calls.free(p, agreed, hit)  # this rank may hold more than the group agreed on
         # Bandwidth is learned per rank: the break-even verdict is agreed on too.
         if not self.tp.min(int(self.break_even.worth_loading(p.promised_tokens))):
             self._finish_degraded(p, R.BELOW_BREAK_EVEN)
             return self._match_result(p)
         # Chunks the engine already has are not retrieved: release their locks now.
         p.retrieve_from = local_hit_tokens // chunk * chunk
-        self._free(p, 0, p.retrieve_from)
+        self.calls.free(p, 0, p.retrieve_from)
         self._fire(p, "mark")
         return self._match_result(p)
-
-    def _lookup(self, p: Prefix, budget_s: float) -> tuple[int, DegradeReason | None]:
-        deadline = self.clock() + budget_s
-
-        def attempt() -> int:
-            left = deadline - self.clock()
-            if left <= 0:
-                raise DaemonTimeout("lookup", budget_s)
-            return self._send_lookup(p, left)
-
-        try:
-            hit = run_with_retries(attempt, self.config.retries, budget_s, clock=self.clock,
-                                   sleep=self.sleep,
-                                   before_retry=lambda _s: self.metrics.retry("lookup"))
-        except ConnectorError as exc:
-            return 0, self._failed("lookup", exc, p.request_id)
-        self.breaker.record(True)
-        return hit, None
-
-    def _send_lookup(self, p: Prefix, timeout_s: float) -> int:
-        """One LOOKUP; on an answer the prefix's lease holds [0, hit). Any failure but
-        "not sent" may leave a LOOKUP running: it is settled off the request path (its
-        result waited for, what it locked released) and never overlapped by another."""
-        k = p.key
-        try:
-            hit = self.connector.lookup_hit_tokens(k.token_ids, k.request_id, timeout_s,
-                                                   cache_salt=k.cache_salt)
-        except DaemonUnavailable:
-            raise
-        except ConnectorError as exc:
-            p.lease.forfeit()
-            self.link.owe("settle_lookup", k.request_id, p.epoch, lambda t: (
-                self.connector.settle_lookup(k.token_ids, k.request_id, t,
-                                             cache_salt=k.cache_salt)),
-                idempotent=True)
-            raise LookupUnsettled(exc) from exc
-        p.lease = Lease(k, p.epoch, 0, hit)
-        return hit
 
     # -------------------------------------------------------------- load_back
 
@@ -220,7 +153,8 @@ class LoadBackOrchestrator:
                     f"tokens; allocate exactly the tokens that match() returned ({n})")
             return self._result(p, start)
         self._fire(p, "start_retrieve")
-        got, reason, bad = self._retrieve(p, slots, self.config.deadlines.retrieve_s(n))
+        got, reason, bad = self.calls.retrieve(p, slots, self.config.deadlines.retrieve_s(n),
+                                               on_retry=lambda: self._fire(p, "retry"))
         ok = self.tp.min(int(reason is None))
         self.metrics.observe_retrieve(self.clock() - start)
         if ok:
@@ -232,79 +166,6 @@ class LoadBackOrchestrator:
         if bad is not None:
             raise bad
         return self._result(p, start)
-
-    def _retrieve(self, p: Prefix, slots: torch.Tensor, budget_s: float
-                  ) -> tuple[Retrieved | None, DegradeReason | None, SlotsError | None]:
-        deadline = self.clock() + budget_s
-        start, end = p.retrieve_from, p.hit_tokens
-        failed: list[BaseException] = []  # this load_back's failed attempts
-
-        def attempt() -> Retrieved:
-            left = deadline - self.clock()
-            if left <= 0:
-                raise DaemonTimeout("retrieve", budget_s)
-            if p.attempts > 0 and not isinstance(failed[-1], DaemonUnavailable):
-                # A lost reply may have consumed the locks: look up again first.
-                hit = self._send_lookup(p, left)
-                if hit < end:
-                    self._free(p, 0, hit)
-                    raise DaemonRejected(f"re-lookup found {hit} of {end} tokens")
-                self._free(p, 0, start)
-                self._free(p, end, hit)
-                left = deadline - self.clock()
-            p.attempts += 1
-            return self._send_retrieve(p, slots, start, end, left, failed)
-
-        try:
-            got = run_with_retries(attempt, self.config.retries, budget_s, clock=self.clock,
-                                   sleep=self.sleep, before_retry=lambda _s: self._before_retry(p))
-        except SlotsError as exc:
-            return None, R.BAD_SLOTS, exc
-        except ConnectorError as exc:
-            return None, self._failed("retrieve", exc, p.request_id), None
-        self.breaker.record(True)
-        return got, None, None
-
-    def _send_retrieve(self, p: Prefix, slots, start: int, end: int, timeout_s: float,
-                       failed: list[BaseException]) -> Retrieved:
-        """One RETRIEVE. Once it returns, the load has landed (every byte in the slots, or
-        once `ready` completes): its commit becomes a release owed off the request path."""
-        k, epoch = p.key, self.connector.epoch
-        try:
-            got = self.connector.retrieve_into(
-                k.token_ids, k.request_id, self.kv_pool, slots, start=start, end=end,
-                timeout_s=timeout_s, skip=p.local_tokens - start, cache_salt=k.cache_salt)
-        except ConnectorError as exc:
-            failed.append(exc)
-            self._owe_commit(p, exc.owed, None, epoch)
-            if not isinstance(exc, (DaemonUnavailable, DaemonRejected)):
-                p.lease.forfeit()  # prepare_retrieve reached the daemon, which releases them
-            raise
-        if not isinstance(got, Retrieved):
-            got = Retrieved(int(got))  # a connector that still commits inline
-        p.lease.forfeit()  # the answered prepare_retrieve took the locks over
-        self._owe_commit(p, got.commit, got.ready, epoch)
-        return got
-
-    def _owe_commit(self, p: Prefix, commit, ready, epoch: int) -> None:
-        if commit is not None:
-            self.link.owe("commit_retrieve", p.request_id, epoch, commit,
-                          ready=None if ready is None else ready.query)
-
-    def _before_retry(self, p: Prefix) -> None:
-        self.metrics.retry("retrieve")
-        self._fire(p, "retry")
-
-    def _failed(self, phase: str, exc: ConnectorError, request_id: str) -> DegradeReason | None:
-        """Apply the failure table's verdict: breaker, timeout counter, suspicion."""
-        out = classify(phase, exc)
-        self.breaker.record(out.breaker_ok)
-        if out.timeout_op:
-            self.metrics.timeout(out.timeout_op)
-        if out.suspect:
-            self.link.suspect()
-        log.debug("%s %s failed: %s", phase, request_id, exc)
-        return out.reason
 
     # ------------------------------------------------------------ store/finish
 
@@ -321,7 +182,7 @@ class LoadBackOrchestrator:
                                            timeout_s=self.config.deadlines.store_ms / 1000,
                                            cache_salt=cache_salt)
         except ConnectorError as exc:
-            self._failed("store", exc, request_id)
+            self.calls.failed("store", exc, request_id)
             return False
         self.breaker.record(True)
         return ok
@@ -351,8 +212,7 @@ class LoadBackOrchestrator:
                           idempotent=True, ready=lambda: self._answered(request_id))
 
     def _answered(self, request_id: str) -> bool:
-        unanswered = getattr(self.connector, "unanswered", None)
-        return unanswered is None or unanswered(request_id) == 0
+        return self.connector.unanswered(request_id) == 0
 
     def _touch_session(self, request_id: str, epoch: int) -> None:
         with self._lock:
@@ -422,7 +282,7 @@ class LoadBackOrchestrator:
     def _finish_degraded(self, p: Prefix, reason: DegradeReason) -> None:
         held = p.lease.held
         if held:
-            self._free(p, *held)
+            self.calls.free(p, *held)
         p.reason = reason
         self._fire(p, "degrade")
         self._settle(p)
@@ -442,15 +302,6 @@ class LoadBackOrchestrator:
     def _result(self, p: Prefix, start: float) -> LoadResult:
         loaded = p.promised_tokens if p.state == S.LOADED.value else 0
         return LoadResult(loaded, PrefixState(p.state), p.reason, self.clock() - start)
-
-    def _free(self, p: Prefix, start: int, end: int) -> None:
-        """Free read locks [start, end) if the lease still holds them (never twice)."""
-        rng = p.lease.give_back(start, end)
-        if rng is not None:
-            k = p.key
-            self.link.owe("free_locks", k.request_id, p.lease.epoch, lambda t: (
-                self.connector.free_locks(k.token_ids, k.request_id, rng[0], rng[1], t,
-                                          cache_salt=k.cache_salt)))
 
     def close(self) -> None:
         """Abort every live prefix, pay what the daemon is owed (bounded), unregister."""

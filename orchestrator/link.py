@@ -149,12 +149,16 @@ class DaemonLink:
 
     @staticmethod
     def _attempt(d: Debt, timeout_s: float, *, on_failure=None) -> bool:
-        """Run one debt; True when it is settled: done, or possibly applied and so never
-        to be sent again (unless idempotent). `on_failure(False)` hears each failure."""
+        """Run one debt; True when it is settled: done, possibly applied and so never to
+        be sent again (unless idempotent), or out of tries. A try is spent only on a call
+        the daemon got: one never sent waits (for the daemon, or its epoch to pass) for
+        free. `on_failure(False)` hears each failure."""
         try:
-            return d.run(timeout_s) is not False
+            done = d.run(timeout_s) is not False
         except DaemonUnavailable:
-            pass  # nothing was sent
+            if on_failure:
+                on_failure(False)
+            return False  # nothing was sent
         except ConnectorError as exc:
             if on_failure:
                 on_failure(False)
@@ -162,10 +166,10 @@ class DaemonLink:
                 log.debug("%s for %s may have reached the daemon; not repeated: %s",
                           d.what, d.request_id, exc)
                 return True
-            return False
-        if on_failure:
-            on_failure(False)
-        return False
+            done = False
+        if not done:
+            d.tries += 1
+        return done or d.tries >= d.max_tries
 
     def pay(self, timeout_s: float | None = None) -> None:
         """Pay every owed release that can be paid now, in order per request."""
@@ -184,10 +188,8 @@ class DaemonLink:
                     keep.append(d)
                     blocked.add(d.request_id)
                 elif not self._attempt(d, timeout_s):
-                    d.tries += 1
-                    if d.tries < d.max_tries:
-                        keep.append(d)
-                        blocked.add(d.request_id)
+                    keep.append(d)
+                    blocked.add(d.request_id)
             with self._lock:
                 self._debts = keep + self._debts
 

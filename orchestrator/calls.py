@@ -1,0 +1,200 @@
+"""One prefix's calls to the daemon, each inside its deadline, with retries and leases.
+
+`PrefixCalls.lookup` sends the LOOKUP (match), `PrefixCalls.retrieve` the RETRIEVE
+(load_back, re-looking up before a retry whose predecessor may have consumed the locks);
+each answers a result or the degrade reason the failure table (failures.py) gives. Read
+locks are freed only through the prefix's `Lease`, and every release goes to the
+`DaemonLink` as a debt of the daemon incarnation it belongs to. The state machine, TP
+agreement and outcome counting stay in core.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from connectors.base import Connector, Retrieved
+from connectors.errors import (
+    ConnectorError,
+    DaemonRejected,
+    DaemonTimeout,
+    DaemonUnavailable,
+    SlotsError,
+)
+from metrics import LoadbackMetrics
+
+from .failures import LookupUnsettled, classify
+from .leases import Lease, RequestKey
+from .link import DaemonLink
+from .policies import CircuitBreaker, Clock, run_with_retries
+from .states import DegradeReason as R
+from .states import PrefixState as S
+
+log = logging.getLogger("loadback")
+
+
+@dataclass(eq=False)
+class Prefix:
+    """One request prefix's walk through the machine, and the marker of its promise."""
+
+    key: RequestKey
+    local_tokens: int
+    epoch: int                    # the daemon incarnation its LOOKUP went to
+    lease: Lease
+    state: str = S.LOOKING_UP.value
+    hit_tokens: int = 0
+    retrieve_from: int = 0        # chunk-aligned start of the range to retrieve
+    reason: R | None = None
+    attempts: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.key.request_id
+
+    @property
+    def promised_tokens(self) -> int:
+        return max(0, self.hit_tokens - self.local_tokens)
+
+
+@dataclass
+class PrefixCalls:
+    connector: Connector
+    link: DaemonLink              # its `config` is the one in force (reload swaps it)
+    breaker: CircuitBreaker
+    metrics: LoadbackMetrics
+    clock: Clock
+    sleep: Callable[[float], None]
+    kv_pool: object = None
+
+    # ---------------------------------------------------------------- LOOKUP
+
+    def lookup(self, p: Prefix, budget_s: float) -> tuple[int, R | None]:
+        deadline = self.clock() + budget_s
+
+        def attempt() -> int:
+            left = deadline - self.clock()
+            if left <= 0:
+                raise DaemonTimeout("lookup", budget_s)
+            return self._send_lookup(p, left)
+
+        try:
+            hit = run_with_retries(attempt, self.link.config.retries, budget_s, clock=self.clock,
+                                   sleep=self.sleep,
+                                   before_retry=lambda _s: self.metrics.retry("lookup"))
+        except ConnectorError as exc:
+            return 0, self.failed("lookup", exc, p.request_id)
+        self.breaker.record(True)
+        return hit, None
+
+    def _send_lookup(self, p: Prefix, timeout_s: float) -> int:
+        """One LOOKUP; on an answer the prefix's lease holds [0, hit). Any failure but
+        "not sent" may leave a LOOKUP running: it is settled off the request path (its
+        result waited for, what it locked released) and never overlapped by another."""
+        k = p.key
+        try:
+            hit = self.connector.lookup_hit_tokens(k.token_ids, k.request_id, timeout_s,
+                                                   cache_salt=k.cache_salt)
+        except DaemonUnavailable:
+            raise
+        except ConnectorError as exc:
+            p.lease.forfeit()
+            self.link.owe("settle_lookup", k.request_id, p.epoch, lambda t: (
+                self.connector.settle_lookup(k.token_ids, k.request_id, t,
+                                             cache_salt=k.cache_salt)),
+                idempotent=True)
+            raise LookupUnsettled(exc) from exc
+        p.lease = Lease(k, p.epoch, 0, hit)
+        return hit
+
+    # -------------------------------------------------------------- RETRIEVE
+
+    def retrieve(self, p: Prefix, slots: torch.Tensor, budget_s: float,
+                 on_retry: Callable[[], None]
+                 ) -> tuple[Retrieved | None, R | None, SlotsError | None]:
+        """Land tokens [retrieve_from, hit) in `slots`: (what landed, None, None), or
+        (None, reason, the SlotsError to raise once the ranks agreed, if any)."""
+        deadline = self.clock() + budget_s
+        start, end = p.retrieve_from, p.hit_tokens
+        failed: list[BaseException] = []  # this load_back's failed attempts
+
+        def attempt() -> Retrieved:
+            left = deadline - self.clock()
+            if left <= 0:
+                raise DaemonTimeout("retrieve", budget_s)
+            if p.attempts > 0 and not isinstance(failed[-1], DaemonUnavailable):
+                # A lost reply may have consumed the locks: look up again first.
+                hit = self._send_lookup(p, left)
+                if hit < end:
+                    self.free(p, 0, hit)
+                    raise DaemonRejected(f"re-lookup found {hit} of {end} tokens")
+                self.free(p, 0, start)
+                self.free(p, end, hit)
+                left = deadline - self.clock()
+            p.attempts += 1
+            try:
+                return self._send_retrieve(p, slots, start, end, left)
+            except ConnectorError as exc:
+                failed.append(exc)
+                raise
+
+        def before_retry(_state) -> None:
+            self.metrics.retry("retrieve")
+            on_retry()
+
+        try:
+            got = run_with_retries(attempt, self.link.config.retries, budget_s,
+                                   clock=self.clock, sleep=self.sleep, before_retry=before_retry)
+        except SlotsError as exc:
+            return None, R.BAD_SLOTS, exc
+        except ConnectorError as exc:
+            return None, self.failed("retrieve", exc, p.request_id), None
+        self.breaker.record(True)
+        return got, None, None
+
+    def _send_retrieve(self, p: Prefix, slots, start: int, end: int,
+                       timeout_s: float) -> Retrieved:
+        """One RETRIEVE. Once it returns, the load has landed (every byte in the slots, or
+        once `ready` completes): its commit becomes a release owed off the request path."""
+        k, epoch = p.key, self.connector.epoch
+        try:
+            got = self.connector.retrieve_into(
+                k.token_ids, k.request_id, self.kv_pool, slots, start=start, end=end,
+                timeout_s=timeout_s, skip=p.local_tokens - start, cache_salt=k.cache_salt)
+        except ConnectorError as exc:
+            self._owe_commit(p, exc.owed, None, epoch)
+            if not isinstance(exc, (DaemonUnavailable, DaemonRejected)):
+                p.lease.forfeit()  # prepare_retrieve reached the daemon, which releases them
+            raise
+        p.lease.forfeit()  # the answered prepare_retrieve took the locks over
+        self._owe_commit(p, got.commit, got.ready, epoch)
+        return got
+
+    def _owe_commit(self, p: Prefix, commit, ready, epoch: int) -> None:
+        if commit is not None:
+            self.link.owe("commit_retrieve", p.request_id, epoch, commit,
+                          ready=None if ready is None else ready.query)
+
+    # ------------------------------------------------------------- releases
+
+    def free(self, p: Prefix, start: int, end: int) -> None:
+        """Free read locks [start, end) if the lease still holds them (never twice)."""
+        rng = p.lease.give_back(start, end)
+        if rng is not None:
+            k = p.key
+            self.link.owe("free_locks", k.request_id, p.lease.epoch, lambda t: (
+                self.connector.free_locks(k.token_ids, k.request_id, rng[0], rng[1], t,
+                                          cache_salt=k.cache_salt)))
+
+    def failed(self, phase: str, exc: ConnectorError, request_id: str) -> R | None:
+        """Apply the failure table's verdict: breaker, timeout counter, suspicion."""
+        out = classify(phase, exc)
+        self.breaker.record(out.breaker_ok)
+        if out.timeout_op:
+            self.metrics.timeout(out.timeout_op)
+        if out.suspect:
+            self.link.suspect()
+        log.debug("%s %s failed: %s", phase, request_id, exc)
+        return out.reason
