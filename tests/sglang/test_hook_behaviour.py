@@ -215,3 +215,31 @@ def test_factory_builds_from_sglang_build_context(tmp_path, monkeypatch):
         build_cache(build_context(str(cfg)))
     monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
     build_cache(build_context(str(cfg))).close()
+
+
+def test_metrics_reach_sglang_multiprocess_collector(tmp_path):
+    """With --enable-metrics SGLang sets PROMETHEUS_MULTIPROC_DIR and serves /metrics through
+    a MultiProcessCollector: the scheduler process's loadback_* series must show up there."""
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    code = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from tests.sglang.conftest import make_params, make_config, Sched, fresh_ids\n"
+        "from orchestrator.hook.radix_cache import LoadBackRadixCache\n"
+        "cache = LoadBackRadixCache(make_params(16), config=make_config(1))\n"
+        "s = Sched(cache)\n"
+        "r = s.new_req('m', fresh_ids(64))\n"
+        "s.admit(r); s.finish(r)\n"
+        "cache.close()\n" % str(Path(__file__).parents[2]))
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mp_dir),
+           "PYTHONPATH": str(Path(__file__).parent / "stubs")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=240, env=env, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(mp_dir))
+    text = generate_latest(registry).decode()
+    assert 'loadback_lookups_total{result="skipped"} 1.0' in text, text[:2000]
+    assert "loadback_daemon_up" in text
