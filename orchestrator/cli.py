@@ -110,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE")
     p.set_defaults(fn=lambda a: __import__("orchestrator.tools.demo", fromlist=["run"]).run(a))
 
+    p = sub.add_parser("sglang-demo", help="a real SGLang 0.5.23 server with this backend "
+                       "beside upstream's, the daemon killed and restarted midway")
+    __import__("orchestrator.tools.sglang_demo", fromlist=["add_arguments"]).add_arguments(p)
+    p.set_defaults(
+        fn=lambda a: __import__("orchestrator.tools.sglang_demo", fromlist=["run"]).run(a))
+
     p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator), "
                        "gpu (CUDA KV pool)")
     p.add_argument("suite", choices=["client", "core", "gpu"])
