@@ -143,7 +143,8 @@ class DaemonLink:
             return False
         log.debug("%s for %s was owed to daemon incarnation %d, now %d: dropped",
                   d.what, d.request_id, d.epoch, self.connector.epoch)
-        self.stale_dropped += 1
+        with self._lock:
+            self.stale_dropped += 1
         self.metrics.stale_release_dropped()
         return True
 
