@@ -130,3 +130,49 @@ def test_a_restarted_daemon_settles_what_the_old_one_never_answered(layout):
     finally:
         c.close()
         d.stop()
+
+
+def test_finish_after_a_timed_out_retrieve_leaves_no_session_once_the_daemon_drains(
+        daemon, layout):
+    """The orchestrator defers end_session until the abandoned prepare_retrieve (and lookup)
+    of the request is proven served or dropped; then nothing re-creates the session."""
+    from orchestrator import DegradeReason, LoadBackConfig, LoadBackOrchestrator
+
+    daemon.resume()
+    cfg = LoadBackConfig.from_dict({
+        "mp_port": daemon.port, "chunk_size": CHUNK,
+        "deadlines": {"lookup_ms": 100, "retrieve_base_ms": 80, "retrieve_per_ki_token_ms": 0,
+                      "retrieve_max_ms": 80, "control_ms": 100},
+        "heartbeat": {"interval_ms": 50},
+        "breaker": {"consecutive_failures": 50, "cooldown_ms": 50, "cooldown_max_ms": 200},
+    })
+    pool = make_pool(layout, 4096)
+    conn = LMCacheMPConnector(daemon.endpoint, layout, connect_timeout_s=0.2)
+    orch = LoadBackOrchestrator(cfg, conn, kv_pool=pool)
+    try:
+        assert orch.wait_registered(30)
+        toks = torch.randint(0, 32000, (256,)).tolist()
+        assert orch.store("seed-" + uuid.uuid4().hex, toks, torch.arange(256))
+        rids = [f"fin-{i}-{uuid.uuid4().hex}" for i in range(5)]
+        for rid in rids:
+            assert orch.match(rid, toks).tokens == 256
+        wait_for(lambda: orch.pending_debts() == 0 and conn.unanswered() == 0)
+        base = sessions(daemon)
+        for i, rid in enumerate(rids):
+            wait_for(lambda: orch.pending_debts() == 0 and conn.unanswered() == 0)
+            conn.noop(2.0)  # this (the scheduler) thread's connection is up before the stop
+            daemon.pause()
+            res = orch.load_back(rid, torch.arange(512 + 256 * i, 768 + 256 * i))
+            assert res.reason == DegradeReason.RETRIEVE_TIMEOUT
+            orch.finish(rid)  # at once, while its prepare_retrieve waits on the daemon
+            assert conn.unanswered(rid) > 0
+            daemon.resume()  # before the session end could time out: it races the queue
+        wait_for(lambda: orch.pending_debts() == 0 and conn.unanswered() == 0, 30)
+        # Drained: everything sent was served or dropped, and every session end was sent
+        # after it. Watch a while: nothing may bring a session back.
+        watch_until = time.monotonic() + 0.5
+        while time.monotonic() < watch_until:
+            assert sessions(daemon) == base - len(rids)
+    finally:
+        daemon.resume()
+        orch.close()
