@@ -340,22 +340,37 @@ class LoadBackRadixCache(RadixCache):
         local = list(matched_prefix_tokens or [])
         key = RadixKey(array("q", local + list(new_input_tokens)), extra_key,
                        cache_salt=cache_salt).page_aligned(self.page_size)
-        ids = key.raw_token_ids()[: len(key)]
         device_len = min(len(local) // self.page_size * self.page_size, len(key))
-        if len(key) - device_len < self.chunk_size:
-            return
-        p = _Promise(self._next_id(handle), array("q", ids),
-                     self._salt(extra_key, cache_salt), device_len,
-                     key=RadixKey(array("q", ids), extra_key, cache_salt=cache_salt))
+        self._submit(handle, key, self._salt(extra_key, cache_salt), device_len)
+
+    def _submit(self, handle, key, salt: str, device_len: int, *, relookups: int = 0) -> bool:
+        """Hand a LOOKUP to the worker (voiding the request's earlier promise); False when
+        the daemon could add less than a chunk, so there is nothing to ask."""
+        self._drop(handle, abort=True)
+        ids = array("q", key.raw_token_ids()[: len(key)])
+        if len(ids) - device_len < self.chunk_size:
+            return False
+        p = _Promise(self._next_id(handle), ids, salt, device_len, relookups=relookups,
+                     key=RadixKey(array("q", ids), key.extra_key, cache_salt=key.cache_salt))
         budget = self.config.deadlines.lookup_ms / 1000
         job = _Lookup(p, deadline=time.monotonic() + budget + 0.05)
         self._lookups[handle] = job
         self._worker.submit(job)
+        return True
 
     def check_prefetch_progress(self, handle) -> bool:
         """False while the LOOKUP may still answer in time; never blocks."""
         job = self._lookups.get(handle)
         if job is None:
+            p = self._promises.get(handle)
+            if p is not None and p.tokens > 0 and p.relookups < 3:
+                device_len = self.shim.device_len(
+                    super().match_prefix(MatchPrefixParams(key=p.key)))
+                if device_len != p.local_tokens:
+                    # The radix hit moved while the request waited: derive the promise
+                    # again off this thread, and skip the request until it is answered.
+                    return not self._submit(handle, p.key, p.salt, device_len,
+                                            relookups=p.relookups + 1)
             return True
         tokens = self._worker.resolve(job, time.monotonic())
         if tokens is None:
