@@ -240,7 +240,7 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
                 progress(scn.name, i + 1, n_req)
         if proxy is not None:
             proxy.clear()
-        leaks = _leaks(orch, engine, daemon, slots)
+        leaks = _leaks(orch, engine, daemon, slots, conn)
         # A hostile payload that ran would leave its marker file: count it as wrong bytes.
         ran = sum(1 for r in fault.rules if r.get("payload_path") and Path(r["payload_path"]).exists())
         mismatches = reconcile(orch, engine)
@@ -291,17 +291,24 @@ def _end_fault(fault: Fault, daemon: DaemonProcess, proxy: FaultProxy | None) ->
 
 
 def _leaks(orch: LoadBackOrchestrator, engine: Engine, daemon: DaemonProcess,
-           slots: SlotAllocator, settle_s: float = 15.0) -> dict[str, int]:
-    """After the run: wait (bounded) for owed releases, then count what is still held."""
+           slots: SlotAllocator, conn: LMCacheMPConnector,
+           settle_s: float = 15.0) -> dict[str, int]:
+    """After the run: wait (bounded) until the daemon has answered or dropped everything sent
+    to it (a call it still holds can re-create a session or take locks once served; calls to
+    a replaced daemon count 0) and every owed release is paid, then count what is held."""
     end = time.monotonic() + settle_s
     held = {}
     while True:
         orch.wake()
-        held = daemon.held() if daemon.proc and daemon.proc.poll() is None else {}
+        running = bool(daemon.proc and daemon.proc.poll() is None)
+        # Read before the daemon's state: 0 means all sent so far was served or dropped.
+        unanswered = conn.unanswered() if running else 0
+        held = daemon.held() if running else {}
         live = {
             "kv_slots": slots.outstanding,
             "live_prefixes": orch.live_prefixes(),
             "debts_owed": orch.pending_debts(),
+            "unanswered_calls": unanswered,
             "read_locks": held.get("read_locks", 0),
             "sessions": held.get("sessions", 0),
         }
