@@ -80,7 +80,7 @@ class _ShmPool:
         except OSError as exc:
             raise DaemonUnavailable(
                 f"cannot open the daemon's shared-memory pool {path}: {exc}; the daemon "
-                "must run on this host with --shm-name"
+                "must run on this host with --shm-name NAME --no-l1-use-lazy"
             ) from exc
         try:
             self._map = mmap.mmap(fd, size)

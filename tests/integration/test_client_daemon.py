@@ -12,7 +12,7 @@ import torch
 
 from connectors import wire
 from connectors.daemon import DaemonProcess, free_port
-from connectors.errors import DaemonTimeout, DaemonUnavailable, SlotsError
+from connectors.errors import DaemonRejected, DaemonTimeout, DaemonUnavailable, SlotsError
 from connectors.kv_layout import KVLayout
 from connectors.lmcache_mp import LMCacheMPConnector
 from connectors.transport import ZmqTransport
@@ -85,7 +85,7 @@ def test_shared_memory_mode_is_byte_exact_without_pickle(daemons, monkeypatch):
 def test_shm_mode_against_a_daemon_without_shm_says_how_to_fix(daemons, layout):
     c = LMCacheMPConnector(daemons[16].endpoint, layout, transfer="shm")
     try:
-        with pytest.raises(Exception, match="--shm-name"):
+        with pytest.raises(DaemonRejected, match="--shm-name NAME --no-l1-use-lazy"):
             c.register(5)
     finally:
         c.close()
