@@ -61,7 +61,8 @@ def test_after_sigkill_calls_fail_fast_and_the_call_in_flight_ends_at_the_discon
         paid = [t for t, _ in calls if t >= DEADLINE_S * 0.9]
         assert len(paid) <= 1, [round(t * 1000, 1) for t, _ in calls]
         assert all(isinstance(e, DaemonUnavailable) for _, e in calls[-10:])
-        assert max(t for t, _ in calls[-10:]) < 0.01
+        fast = sorted(t for t, _ in calls[-10:])
+        assert fast[5] < 0.005 and fast[-1] < DEADLINE_S / 2  # no wait (bounds for a busy CI box)
         assert "disconnected" in str(calls[-1][1])
         (t_in_flight, err), = in_flight
         # Sent before the crash: its reply can no longer come, so it ends at the disconnect
