@@ -115,6 +115,12 @@ class Metrics(_Section):
     port: Annotated[int, Meta(ge=0, le=65535, description="0 picks a free port")] = 9464
 
 
+class SGLang(_Section):
+    """The SGLang plugin's settings (orchestrator.hook)."""
+
+    allow_untested: bool = False       # start on an SGLang release this product was not tested on
+
+
 class LoadBackConfig(_Section):
     mode: Literal["mp", "ip"] = "mp"
     mp_host: Annotated[str, Meta(min_length=1, pattern=r"^\S+$",
@@ -130,6 +136,7 @@ class LoadBackConfig(_Section):
     break_even: BreakEven = BreakEven()
     ip: InProcess = InProcess()
     metrics: Metrics = Metrics()
+    sglang: SGLang = SGLang()
     # LMCache's own `lmcache.mp.*` keys that took effect (orchestrator.upstream maps them).
     extra_config: dict[str, Any] = {}
 

@@ -13,7 +13,8 @@ from orchestrator.config import ConfigError, LoadBackConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name", ["example_config_mp.yaml", "example_config_ip.yaml"])
+@pytest.mark.parametrize("name", ["example_config_mp.yaml", "example_config_ip.yaml",
+                                  "example_config_upstream.yaml"])
 def test_shipped_examples_are_valid(name):
     cfg = LoadBackConfig.from_yaml(ROOT / "configs" / name)
     assert cfg.mode in ("mp", "ip")
