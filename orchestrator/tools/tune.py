@@ -273,8 +273,11 @@ def recommend(sizes: list[Size], chunk: int, prefill_tps: float):
     look = max((s for s in sizes if s.lookup_ms), key=lambda s: percentile(s.lookup_ms, LOOKUP_PCT))
     lp99 = percentile(look.lookup_ms, LOOKUP_PCT)
     a99, b99 = fit([(s.tokens / 1024, percentile(s.retrieve_ms, 99)) for s in got])
+    # A least-squares line passes below some points: lift its intercept so that the
+    # deadline line covers every measured size's p99 before the safety factor.
+    cover = max(percentile(s.retrieve_ms, 99) - b99 * s.tokens / 1024 for s in got)
     a50, b50 = fit([(s.tokens / 1024, median(s.retrieve_ms)) for s in got])
-    base = _up(a99 * RETRIEVE_FACTOR + RETRIEVE_MARGIN_MS)
+    base = _up(max(a99, cover) * RETRIEVE_FACTOR + RETRIEVE_MARGIN_MS)
     per_ki = _up(b99 * RETRIEVE_FACTOR, 3)
     cap = max(base, min(CAP_MS, _up(base + per_ki * CAP_TOKENS / 1024)))
     typ = min(got, key=lambda s: abs(s.chunks - TYPICAL_CHUNKS))
@@ -305,7 +308,9 @@ def recommend(sizes: list[Size], chunk: int, prefill_tps: float):
          f"p{LOOKUP_PCT:g} lookup {fmt(lp99, 3)} ms (slowest size, {look.tokens} tokens) "
          f"x {LOOKUP_FACTOR:g} + {LOOKUP_MARGIN_MS:g} ms margin"),
         ("deadlines.retrieve_base_ms", base,
-         f"p99 fit intercept {fmt(a99, 3)} ms x {RETRIEVE_FACTOR:g} + {RETRIEVE_MARGIN_MS:g} ms"),
+         f"p99 fit intercept {fmt(a99, 3)} ms"
+         + (f", lifted to {fmt(cover, 3)} ms to cover every size's p99," if cover > a99 else "")
+         + f" x {RETRIEVE_FACTOR:g} + {RETRIEVE_MARGIN_MS:g} ms"),
         ("deadlines.retrieve_per_ki_token_ms", per_ki,
          f"p99 fit slope {fmt(b99, 4)} ms/Ki x {RETRIEVE_FACTOR:g}"),
         ("deadlines.retrieve_max_ms", cap,
