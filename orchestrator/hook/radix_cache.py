@@ -16,11 +16,10 @@ after the radix hit or the key changed.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from array import array
-from dataclasses import dataclass, field
+from collections import deque
 from typing import Any
 
 import torch
@@ -28,85 +27,9 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParam
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from . import compat
+from .promises import Lookup, LookupWorker, Promise, promised_tokens
 
 log = logging.getLogger("loadback.hook")
-
-
-@dataclass(eq=False)
-class _Promise:
-    """One request's answer from the daemon, the marker later passes are answered from."""
-
-    request_id: str           # the orchestrator's id for this derivation
-    token_ids: array          # the page-aligned key the LOOKUP saw (a copy)
-    salt: str
-    local_tokens: int         # device hit the promise was made against
-    tokens: int = 0           # tokens to load beyond local_tokens (0: recompute / used)
-    loaded: int = 0
-    key: Any = None           # detached RadixKey snapshot for the node load_back attaches
-    relookups: int = 0
-
-
-@dataclass(eq=False)
-class _Lookup:
-    """A LOOKUP handed to the worker (0.5.23); resolved by the worker or by its deadline."""
-
-    promise: _Promise
-    deadline: float
-    done: threading.Event = field(default_factory=threading.Event)
-    tokens: int = 0
-    abandoned: bool = False   # resolved as a miss at its deadline: the worker releases it
-
-
-class _LookupWorker:
-    """One thread per cache running `match()`: the scheduler thread only polls."""
-
-    def __init__(self, orch) -> None:
-        self.orch = orch
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="loadback-lookup", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: _Lookup) -> None:
-        self._q.put(job)
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while (job := self._q.get()) is not None:
-            p = job.promise
-            with self._lock:
-                skip = job.abandoned
-            tokens = 0
-            if not skip:
-                try:
-                    tokens = _tokens(self.orch.match(
-                        p.request_id, p.token_ids, local_hit_tokens=p.local_tokens,
-                        cache_salt=p.salt))
-                except Exception:  # a daemon failure must not kill the worker
-                    log.exception("lookup %s failed", p.request_id)
-            with self._lock:
-                job.tokens = tokens
-                late = job.abandoned
-                job.done.set()
-            if late:
-                self.orch.abort(p.request_id)  # settled after its deadline: release it
-
-    def resolve(self, job: _Lookup, now: float) -> int | None:
-        """Tokens promised, or None while the LOOKUP may still answer in time."""
-        with self._lock:
-            if job.done.is_set():
-                return job.tokens
-            if now < job.deadline:
-                return None
-            job.abandoned = True
-            return 0
-
-
-def _tokens(result) -> int:
-    return int(getattr(result, "tokens", result))
 
 
 class LoadBackRadixCache(RadixCache):
@@ -114,8 +37,8 @@ class LoadBackRadixCache(RadixCache):
 
     def __init__(self, params, *, config, tp_size: int = 1, tp_rank: int = 0,
                  tp_group=None, orchestrator=None, async_lookups: bool | None = None) -> None:
-        self._promises: dict[Any, _Promise] = {}
-        self._lookups: dict[Any, _Lookup] = {}
+        self._promises: dict[Any, Promise] = {}
+        self._lookups: dict[Any, Lookup] = {}
         super().__init__(params)
         self.config = config
         chunk = config.chunk_size
@@ -134,11 +57,11 @@ class LoadBackRadixCache(RadixCache):
         # LOOKUP runs on the scheduler thread (bounded by deadlines.lookup_ms).
         if async_lookups is None:
             async_lookups = self.shim.prefix_len_api and tp_size == 1
-        self._worker = _LookupWorker(self.orch) if async_lookups else None
+        self._worker = LookupWorker(self.orch) if async_lookups else None
         self._ids = 0
         self._id_lock = threading.Lock()
-        #: Seconds the scheduler thread spent in a call that may reach the daemon, per call.
-        self.daemon_wait_s: list[float] = []
+        #: Seconds the scheduler thread spent in calls that may reach the daemon (recent ones).
+        self.daemon_wait_s: deque[float] = deque(maxlen=4096)
 
     # ------------------------------------------------------------ construction
 
@@ -176,6 +99,8 @@ class LoadBackRadixCache(RadixCache):
 
     def close(self) -> None:
         if self._worker is not None:
+            for job in self._lookups.values():
+                self._worker.resolve(job, float("inf"))  # queued LOOKUPs are not sent
             self._worker.close()
             self._worker = None
         self.orch.close()
@@ -224,7 +149,7 @@ class LoadBackRadixCache(RadixCache):
             node = node.parent
         return n
 
-    def _drop(self, handle, *, abort: bool) -> _Promise | None:
+    def _drop(self, handle, *, abort: bool) -> Promise | None:
         p = self._promises.pop(handle, None)
         job = self._lookups.pop(handle, None)
         if job is not None:
@@ -291,15 +216,15 @@ class LoadBackRadixCache(RadixCache):
             self._drop(other, abort=True)
 
     def _lookup_now(self, handle, key, ids, salt: str, device_len: int) -> int:
-        p = _Promise(self._next_id(handle), array("q", ids), salt, device_len,
+        p = Promise(self._next_id(handle), array("q", ids), salt, device_len,
                      key=RadixKey(array("q", ids), key.extra_key, cache_salt=key.cache_salt))
         if len(ids) - device_len >= self.chunk_size:
-            p.tokens = _tokens(self._timed(self.orch.match, p.request_id, p.token_ids,
+            p.tokens = promised_tokens(self._timed(self.orch.match, p.request_id, p.token_ids,
                                            local_hit_tokens=device_len, cache_salt=salt))
         self._promises[handle] = p
         return self._checked(handle, p)
 
-    def _checked(self, handle, p: _Promise) -> int:
+    def _checked(self, handle, p: Promise) -> int:
         # Whole pages inside the key, or nothing: anything else would corrupt the tree.
         if p.tokens and (p.tokens % self.page_size or
                          p.local_tokens + p.tokens > len(p.token_ids)):
@@ -309,18 +234,18 @@ class LoadBackRadixCache(RadixCache):
             p.tokens = 0
         return p.tokens
 
-    def _rederive(self, handle, p: _Promise, key, device_len: int) -> int:
+    def _rederive(self, handle, p: Promise, key, device_len: int) -> int:
         """The radix hit moved since the promise: shrink it (or look up again)."""
         rederive = getattr(self.orch, "rederive", None)
         if rederive is not None and device_len > p.local_tokens:
-            p.tokens = _tokens(self._timed(rederive, p.request_id, device_len))
+            p.tokens = promised_tokens(self._timed(rederive, p.request_id, device_len))
             p.local_tokens = device_len
             return self._checked(handle, p)
         relookups = p.relookups + 1
         self._drop(handle, abort=True)
         if self._worker is not None or relookups > 3:
             # 0.5.23 must not block here, and a churning hit must not LOOKUP forever.
-            q = _Promise(self._next_id(handle), p.token_ids, p.salt, device_len,
+            q = Promise(self._next_id(handle), p.token_ids, p.salt, device_len,
                          relookups=relookups)
             self._promises[handle] = q
             return 0
@@ -350,10 +275,10 @@ class LoadBackRadixCache(RadixCache):
         ids = array("q", key.raw_token_ids()[: len(key)])
         if len(ids) - device_len < self.chunk_size:
             return False
-        p = _Promise(self._next_id(handle), ids, salt, device_len, relookups=relookups,
+        p = Promise(self._next_id(handle), ids, salt, device_len, relookups=relookups,
                      key=RadixKey(array("q", ids), key.extra_key, cache_salt=key.cache_salt))
         budget = self.config.deadlines.lookup_ms / 1000
-        job = _Lookup(p, deadline=time.monotonic() + budget + 0.05)
+        job = Lookup(p, deadline=time.monotonic() + budget + 0.05)
         self._lookups[handle] = job
         self._worker.submit(job)
         return True
@@ -443,7 +368,7 @@ class LoadBackRadixCache(RadixCache):
             p.tokens = 0
             return self.shim.recompute(node)
 
-    def _load(self, p: _Promise, node, host_hit_length: int):
+    def _load(self, p: Promise, node, host_hit_length: int):
         n, local = p.tokens, p.local_tokens
         new_key = p.key[local: local + n]
         if (host_hit_length != n or self._path_len(node) != local
@@ -514,7 +439,7 @@ class LoadBackRadixCache(RadixCache):
             handle = self._handle(req)
             p = self._promises.get(handle)
             if p is None:
-                p = self._promises[handle] = _Promise(
+                p = self._promises[handle] = Promise(
                     self._next_id(handle), array("q"), "", 0)
             committed = getattr(req.kv, "kv_committed_len", None) if hasattr(req, "kv") else None
             ids = list(req.origin_input_ids) + list(req.output_ids)

@@ -16,7 +16,6 @@ from connectors.daemon import DaemonProcess, free_port
 
 from .conftest import (
     CHUNK,
-    NEW_API,
     Sched,
     fresh_ids,
     kv_matches,
