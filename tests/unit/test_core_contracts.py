@@ -70,6 +70,16 @@ def test_lease_frees_each_range_once_and_nothing_once_forfeited():
     assert lease.held is None and lease.give_back(16, 48) is None
 
 
+def test_lost_retrieve_reply_leaves_its_locks_to_the_daemon():
+    orch, conn, _, _ = stored(retries={"max_attempts": 1})
+    assert orch.match("r", TOKS).tokens == 64
+    conn.fail_next["retrieve"].append(DaemonTimeout("prepare_retrieve", 0.1))  # served, unanswered
+    res = orch.load_back("r", torch.arange(700, 764))
+    assert res.reason == R.RETRIEVE_TIMEOUT
+    orch.finish("r")  # freeing the range again would raise LeaseViolation in the strict fake
+    assert conn.calls["free_locks"] == 0 and conn.held_locks() == 0
+
+
 def test_abort_after_a_partial_release_frees_only_what_is_still_held():
     orch, conn, _, _ = stored()
     assert orch.match("r", TOKS, local_hit_tokens=32).tokens == 32  # [0, 32) freed at match
