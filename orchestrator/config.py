@@ -3,11 +3,11 @@
 Every key has a default; `configs/example_config_mp.yaml` documents each one. Single-field
 limits are msgspec `Meta` constraints on the fields (their `description` is the fix shown to
 the operator); checks across fields live in `__post_init__`. Every refusal is a ConfigError
-whose one-line message names the file, the key path and the fix, whatever the input: bytes
-that are not UTF-8, YAML nested deeper than any config needs, duplicate keys, non-finite
-numbers. An upstream LMCache MP YAML loads too (`orchestrator.upstream` maps its keys).
-`LoadBackConfig.explain(path)` tells where each effective value came from, for `loadback
-config show`.
+whose one-line message names the file, the key path and the fix, whatever the input
+(`orchestrator.config_file` reads the file and refuses what is not sound YAML; here unknown
+keys and non-finite numbers). An upstream LMCache MP YAML loads too (`orchestrator.upstream`
+maps its keys). `LoadBackConfig.explain(path)` tells where each effective value came from,
+for `loadback config show`.
 """
 
 from __future__ import annotations
@@ -20,26 +20,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
-import yaml
 from msgspec import Meta
-from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
 from . import upstream
+from .config_file import EXAMPLE as _EXAMPLE
+from .config_file import ConfigError  # noqa: F401 - raised and caught as config.ConfigError
+from .config_file import read_yaml as _read_yaml
 
 log = logging.getLogger("loadback")
-
-_EXAMPLE = "see configs/example_config_mp.yaml"
-_MAX_BYTES = 1 << 20    # a config is a few KiB; this bounds a wrong path such as /dev/zero
-_MAX_DEPTH = 16         # ours nests 2 levels, an upstream file's values a few more
-
-
-class ConfigError(ValueError):
-    """A config file that cannot be used; the one-line message says which key and the fix."""
-
-    def __init__(self, message: str, *, unreadable: bool = False, key: str | None = None) -> None:
-        super().__init__(" ".join(message.splitlines()))  # one line, whatever a part held
-        self.unreadable = unreadable
-        self.key = key
 
 
 def _ms(what: str) -> Any:
@@ -214,8 +202,8 @@ class LoadBackConfig(_Section):
                 cause = exc.__cause__
                 raise ConfigError(f"{source}: {_named(cause, origin)}", key=cause.key) from None
             key, problem = _explain_validation(str(exc), data)
-            raise ConfigError(f"{source}: {_named(ConfigError(f'{key}: {problem}', key=key), origin)}",
-                              key=key) from None
+            named = _named(ConfigError(f"{key}: {problem}", key=key), origin)
+            raise ConfigError(f"{source}: {named}", key=key) from None
 
 
 _MISSING = object()
@@ -303,113 +291,3 @@ def _cross_checks(c: LoadBackConfig):
            f"must be between 1 and breaker.window ({b.window}), got {b.min_calls}")
     yield ("breaker.cooldown_max_ms", b.cooldown_max_ms >= b.cooldown_ms,
            f"must be >= breaker.cooldown_ms ({b.cooldown_ms:g}), got {b.cooldown_max_ms:g}")
-
-
-# -- reading the file ---------------------------------------------------------------------
-
-class _Loader(yaml.SafeLoader):
-    """safe_load that refuses nesting deeper than _MAX_DEPTH (its composer recurses)."""
-
-    def __init__(self, text: str, path: Path) -> None:
-        super().__init__(text)
-        self.path, self.keys = path, []  # key path of the node being composed
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        self.keys.append(f".{index.value}" if isinstance(index, ScalarNode) else
-                         f"[{index}]" if isinstance(index, int) else "")
-        try:
-            if len(self.keys) > _MAX_DEPTH:
-                mark = self.peek_event().start_mark
-                key = "".join(self.keys).lstrip(".")
-                raise ConfigError(f"{self.path}: {key}: nested deeper than {_MAX_DEPTH} levels "
-                                  f"(line {mark.line + 1}); a config nests 3 levels at most "
-                                  f"({_EXAMPLE})", key=key)
-            return super().compose_node(parent, index)
-        finally:
-            self.keys.pop()
-
-
-def _key_at(node: Any, line: int, path: str = "") -> str:
-    """The key path whose value spans 0-based `line` (for errors found before parsing)."""
-    items = (node.value if isinstance(node, MappingNode) else
-             [(None, v) for v in node.value] if isinstance(node, SequenceNode) else [])
-    for k, _ in items:
-        if isinstance(k, ScalarNode) and k.start_mark.line == line:
-            return f"{path}.{k.value}".lstrip(".")
-    for i, (k, v) in enumerate(items):
-        end = v.end_mark  # a block ends at column 0 of the line after it
-        if v.start_mark.line <= line and (line < end.line or line == end.line and end.column):
-            sub = f"{path}.{k.value}" if isinstance(k, ScalarNode) else f"{path}[{i}]"
-            return _key_at(v, line, sub) or sub.lstrip(".")
-    return ""
-
-
-def _refuse_duplicates(node: Any, path: str, p: Path, seen: set[int]) -> None:
-    """A key given twice would silently take the last value: name it instead."""
-    if id(node) in seen:  # an alias met again (or a recursive one): walked already
-        return
-    seen.add(id(node))
-    if isinstance(node, MappingNode):
-        first: dict[tuple[str, str], int] = {}
-        for k, v in node.value:
-            name = k.value if isinstance(k, ScalarNode) else "?"
-            sub = f"{path}.{name}" if path else str(name)
-            if isinstance(k, ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
-                line = k.start_mark.line + 1
-                if first.setdefault((k.tag, k.value), line) != line:
-                    raise ConfigError(f"{p}: {sub}: duplicate key (lines {first[(k.tag, k.value)]}"
-                                      f" and {line}); keep one", key=sub)
-            _refuse_duplicates(v, sub, p, seen)
-    elif isinstance(node, SequenceNode):
-        for i, v in enumerate(node.value):
-            _refuse_duplicates(v, f"{path}[{i}]", p, seen)
-
-
-def _read_yaml(path: str | Path) -> Any:
-    p = Path(path)
-    try:
-        with open(p, "rb") as f:
-            raw = f.read(_MAX_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: config file not found; pass an existing YAML file "
-                          f"({_EXAMPLE})", unreadable=True) from None
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read config file: {exc.strerror or exc}; check the "
-                          "path and its permissions", unreadable=True) from None
-    if len(raw) > _MAX_BYTES:
-        raise ConfigError(f"{p}: larger than {_MAX_BYTES >> 10} KiB, not a config file; pass "
-                          f"the YAML config ({_EXAMPLE})")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start)
-        try:  # name the key too, where the rest of the file parses
-            key = _key_at(_Loader(raw.decode("utf-8", "replace"), p).get_single_node(), line)
-        except Exception:
-            key = ""
-        raise ConfigError(f"{p}: {key + ': ' if key else ''}not UTF-8: byte "
-                          f"0x{raw[exc.start]:02x} at line {line + 1}; save the file as UTF-8",
-                          key=key or None) from None
-    loader = None
-    try:
-        loader = _Loader(text, p)  # its reader refuses control characters right here
-        node = loader.get_single_node()
-        if node is None:
-            return {}
-        _refuse_duplicates(node, "", p, set())
-        return loader.construct_document(node)
-    except ConfigError:
-        raise
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{where}: {exc.problem or exc.context}; fix the "
-                          f"syntax ({_EXAMPLE})") from None
-    except (yaml.YAMLError, ValueError, TypeError, OverflowError, RecursionError) as exc:
-        # ReaderError (control characters), or a tagged scalar such as `!!int x`
-        first = str(exc).splitlines()[0][:120] if str(exc) else ""
-        raise ConfigError(f"{p}: not valid YAML: {type(exc).__name__}: {first}; fix the "
-                          f"value ({_EXAMPLE})") from None
-    finally:
-        if loader is not None:
-            loader.dispose()

@@ -130,8 +130,8 @@ def _transfer_mode(key: str, value: Any, data: dict) -> Row:
 
 def _vllm_only(instead: str = "") -> Callable[[str, Any, dict], Row]:
     def row(key: str, value: Any, data: dict) -> Row:
-        return Row(key, value, None, "ignored: read by LMCache's vLLM connector only, not by "
-                                     "SGLang's nor this product" + (f"; set {instead}" if instead else ""))
+        why = "ignored: read by LMCache's vLLM connector only, not by SGLang's nor this product"
+        return Row(key, value, None, why + (f"; set {instead}" if instead else ""))
     return row
 
 
@@ -192,8 +192,9 @@ def translate(data: dict) -> tuple[dict, list[Row], dict[str, str]]:
     for key in [k for k in data if isinstance(k, str) and k in ENGINE_KEYS - SHARED_KEYS]:
         value = data.pop(key)
         closest = _CLOSEST.get(key)
-        rows.append(Row(key, value, None, f"ignored: not read here; the setting that decides "
-                                          f"this is {closest}" if closest else f"ignored: {_ENGINE_ONLY}"))
+        why = f"not read here; the setting that decides this is {closest}" if closest \
+            else _ENGINE_ONLY
+        rows.append(Row(key, value, None, f"ignored: {why}"))
     host = data.get("mp_host")
     if isinstance(host, str) and host.startswith("tcp://"):  # SGLang's connector accepts both
         data["mp_host"] = host[len("tcp://"):].rstrip(":")
