@@ -199,3 +199,16 @@ def test_aliases_and_merge_keys_still_load(tmp_path):
     f.write_text("deadlines: &d\n  lookup_ms: 9\nbreaker:\n  <<: {cooldown_ms: 7}\n  window: 30\n")
     cfg = LoadBackConfig.from_yaml(f)
     assert cfg.deadlines.lookup_ms == 9 and cfg.breaker.cooldown_ms == 7
+
+
+def test_sglang_opt_in_is_read_from_the_yaml(tmp_path, monkeypatch):
+    from orchestrator.hook import compat
+
+    monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)
+    f = tmp_path / "cfg.yaml"
+    f.write_text("sglang:\n  allow_untested: true\n")
+    assert compat.allow_untested(LoadBackConfig.from_yaml(f))
+    assert not compat.allow_untested(LoadBackConfig())
+    f.write_text("sglang:\n  allow_untested: yes please\n")
+    with pytest.raises(ConfigError, match="sglang.allow_untested: Expected `bool`"):
+        LoadBackConfig.from_yaml(f)
