@@ -199,6 +199,9 @@ def translate(data: dict) -> tuple[dict, list[Row], dict[str, str]]:
     if isinstance(host, str) and host.startswith("tcp://"):  # SGLang's connector accepts both
         data["mp_host"] = host[len("tcp://"):].rstrip(":")
         rows.append(Row("mp_host", host, "mp_host", f"-> mp_host = {data['mp_host']!r}"))
+    elif isinstance(host, str) and "://" in host:
+        raise UpstreamKeyError("mp_host", f"must be a host name or address (tcp:// is implied), "
+                                          f"got {_show(host)}; the daemon listens on TCP only")
     extra = data.get("extra_config")
     if extra is None:
         data.pop("extra_config", None)

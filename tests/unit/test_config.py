@@ -118,6 +118,7 @@ DEEP_LIST = "deadlines:\n  lookup_ms: " + "[" * 500 + "]" * 500 + "\n"
     (b"mode: mp\nmode: ip\n", "mode", "duplicate key (lines 1 and 2)"),
     (b"mp_host: ''\n", "mp_host", "must not be empty"),
     (b"mp_host: 'a b'\n", "mp_host", "must not be empty or hold spaces"),
+    (b"mp_host: ipc:///tmp/d\n", "mp_host", "must be a host name or address (tcp:// is implied)"),
 ])
 def test_hostile_config_is_one_line_naming_file_key_and_fix(tmp_path, data, key, fragment):
     f = tmp_path / "cfg.yaml"
