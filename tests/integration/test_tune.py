@@ -82,7 +82,8 @@ def test_tune_registers_the_models_layout_and_recommends_above_what_it_measured(
     captured = capsys.readouterr()
     assert "recommended" in captured.out and "p99 lookup" in captured.out
     # tqdm in a log: the final count, and a handful of redraws rather than one per sample.
-    assert "16/16" in captured.err and captured.err.count("\r") <= 2 + tune.WALL_BUDGET_S // LOG_MININTERVAL_S
+    redraws = captured.err.count("\r")
+    assert "16/16" in captured.err and redraws <= 2 + tune.WALL_BUDGET_S // LOG_MININTERVAL_S
 
 
 def test_layout_from_model_config_reads_gqa_head_dim_dtype_and_tp(tmp_path):
