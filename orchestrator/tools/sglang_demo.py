@@ -38,8 +38,8 @@ from .sglang_server import (PROBE_DIR, STUBS_DIR, Generation, SGLangServer,
 CHUNK = 16
 PROMPT_LEN = 160
 NEW_TOKENS = 8
-MAX_TOTAL_TOKENS = 2048  # the device KV pool: 12 prompts fit, the pool below does not
-POOL = 16
+MAX_TOTAL_TOKENS = 1024  # the device KV pool: 6 prompts fit, the pool below does not
+POOL = 8
 KILL_AT, RESTART_AT = 0.35, 0.55
 SIDES = ("ours", "upstream")
 
@@ -276,7 +276,8 @@ def add_arguments(p) -> None:
     p.add_argument("--sglang-python", metavar="PATH",
                    help="Python of a venv with sglang 0.5.23 (default: this one)")
     p.add_argument("--duration-s", type=float, default=60.0, help="traffic window per side")
-    p.add_argument("--interval-ms", type=float, default=250.0, help="time between requests")
+    # one a second: what this CPU server sustains with room to spare on a loaded 2-core machine
+    p.add_argument("--interval-ms", type=float, default=1000.0, help="time between requests")
     p.add_argument("--deadline-s", type=float, default=10.0, help="client deadline per request")
     p.add_argument("--mq-timeout-s", type=float, default=3.0,
                    help="upstream's lmcache.mp.mq_timeout (its default is 300 s)")

@@ -16,7 +16,7 @@ from .conftest import UPSTREAM_MQ_TIMEOUT_S, bring_up, report
 from .helpers import loaded_tokens, prompt
 
 CLIENT_DEADLINE_S = 15.0
-RESTART_WATCH_S = 30.0  # how long to look for hits after the restart
+RESTART_WATCH_S = 20.0  # how long to look for hits after the restart
 
 
 def _restart_and_watch(stack):
