@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -186,6 +187,30 @@ def test_hung_daemon_during_retrieve_degrades_in_time_and_never_writes_late(h):
     held = h.settle()
     # It released the locks itself, and the session ended only after it was served.
     assert held["sessions"] == 0 and held["read_locks"] == 0
+
+
+@pytest.mark.parametrize("delay_ms", [0.5, 2.0, 5.0])
+def test_sigstop_during_load_back_reports_what_the_slots_hold(h, delay_ms):
+    # A seed per case: the module's daemon keeps what earlier cases stored.
+    toks, src = h.stored(512, seed=1100 + int(delay_ms * 10))
+    rid = f"stop-{delay_ms}"
+    assert h.orch.match(rid, toks).tokens == 512
+    dst = h.slots(512)
+    before = kv_of(h.pool, dst)
+    stopper = threading.Timer(delay_ms / 1000, h.daemon.pause)
+    stopper.start()
+    res = h.orch.load_back(rid, dst)
+    stopper.join()
+    after = kv_of(h.pool, dst)
+    # All or nothing, judged against the slots: LOADED means every byte is there.
+    if res.state == PrefixState.LOADED:
+        assert res.loaded_tokens == 512 and same_kv(kv_of(h.pool, src), after)
+    else:
+        assert res.loaded_tokens == 0 and same_kv(before, after)
+    h.daemon.resume()
+    h.orch.finish(rid)
+    held = h.settle()
+    assert held["read_locks"] == 0 and held["sessions"] == 0
 
 
 def test_killed_daemon_mid_retrieve_degrades_in_time(h):
