@@ -230,7 +230,7 @@ def _check_keys(data: dict, struct: type, prefix: str) -> None:
         kind = hints[key]
         if isinstance(kind, type) and issubclass(kind, msgspec.Struct) and isinstance(value, dict):
             _check_keys(value, kind, f"{path}.")
-        elif isinstance(value, float) and not math.isfinite(value):
+        elif isinstance(value, float) and not math.isfinite(value):  # Meta(gt=0) admits inf
             raise ConfigError(f"{path}: must be a finite number, got {value}; an unbounded "
                               f"value would let a call wait forever ({_EXAMPLE})", key=path)
 
