@@ -86,6 +86,9 @@ class Result:
     counter_mismatches: list[str] = field(default_factory=list)
     #: The most any match/load_back ran past its deadline, ms (negative: the least headroom).
     worst_overshoot_ms: float | None = None
+    #: Where the worst call's time went: own CPU, run-queue wait (the OS), blocked, and the
+    #: CPU other threads of this process used meanwhile (workload.Engine._timed).
+    worst_overshoot_detail: dict = field(default_factory=dict)
     #: Daemon errors the orchestrator logged: {"Class" or "Class:op": count}.
     errors_logged: dict[str, int] = field(default_factory=dict)
     #: expect_logged entries the orchestrator never logged.
@@ -255,6 +258,7 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
             loaded=t.loaded, loaded_tokens=t.loaded_tokens, recomputed_tokens=t.recomputed_tokens,
             leaks=leaks, counter_mismatches=mismatches,
             worst_overshoot_ms=(t.worst_overshoot_s * 1000 if t.return_times else None),
+            worst_overshoot_detail=t.worst_overshoot_detail,
             errors_logged=logged, missing_errors=[e for e in scn.expect_logged if not errors.logged(e)],
             extra={"late_replies": conn.late_replies, "load_times": t.load_times,
                    "proxy": proxy.stats if proxy is not None else {}},
@@ -357,6 +361,13 @@ def print_results(results: list[Result]) -> None:
             print(f"  {r.name}: counter mismatch: {m}")
         if r.leaked:
             print(f"  {r.name}: leaks: {r.leaks}")
+        d = r.worst_overshoot_detail
+        if r.hung and d:
+            print(f"  {r.name}: worst call, {d['op']}, {d['took_ms']:.1f} ms against a "
+                  f"{d['deadline_ms']:.0f} ms deadline: {d['run_queue_wait_ms']:.1f} ms waiting "
+                  f"for a CPU (OS run queue), {d['own_cpu_ms']:.1f} ms on its CPU, "
+                  f"{d['blocked_ms']:.1f} ms blocked while this process's other threads used "
+                  f"{d['other_threads_cpu_ms']:.1f} ms of CPU")
         for e in r.missing_errors:
             print(f"  {r.name}: the orchestrator never logged {e} (logged: {r.errors_logged or 'none'})")
 

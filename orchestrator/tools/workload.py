@@ -88,6 +88,10 @@ class Tally:
     load_times: list[float] = field(default_factory=list)
     #: The most any match/load_back ran past its deadline, seconds (negative: the least headroom).
     worst_overshoot_s: float = -math.inf
+    #: Where the worst call's time went (see `Engine._timed`): ms on this thread's CPU, waiting
+    #: for a CPU (the OS run queue), blocked (sleeping: socket poll, GIL, locks), and the CPU
+    #: other threads of this process used meanwhile.
+    worst_overshoot_detail: dict = field(default_factory=dict)
     first_hit_after: dict[str, float] = field(default_factory=dict)
 
 
@@ -126,6 +130,17 @@ class Workload:
         return prompt, local
 
 
+def _thread_sched() -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for one) of the calling thread; zeros where
+    /proc/thread-self/schedstat is missing."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            cpu, wait, _ = f.read().split()
+        return int(cpu), int(wait)
+    except (OSError, ValueError):
+        return 0, 0
+
+
 class Engine:
     """Drives one request at a time through match -> load_back -> prefill -> store -> finish."""
 
@@ -138,6 +153,30 @@ class Engine:
         self.abort_ratio = abort_ratio
         self.tally = Tally()
         self.n = 0
+
+    def _timed(self, op: str, deadline_s: float, fn, *args, **kwargs):
+        """Call `fn`, judge its return time against `deadline_s` (hung past it + slack), and
+        keep where the worst call's time went: an overshoot mostly spent waiting for a CPU
+        is the OS's; one spent blocked while other threads of ours ran is ours (GIL)."""
+        t = self.tally
+        (cpu0, wait0), proc0 = _thread_sched(), time.process_time()
+        t0 = time.perf_counter()
+        result = fn(*args, **kwargs)
+        took = time.perf_counter() - t0
+        (cpu1, wait1), proc1 = _thread_sched(), time.process_time()
+        t.return_times.append(took)
+        over = took - deadline_s
+        if over > self.slack:
+            t.hung += 1
+        if over > t.worst_overshoot_s:
+            t.worst_overshoot_s = over
+            own_ms, wait_ms = (cpu1 - cpu0) / 1e6, (wait1 - wait0) / 1e6
+            t.worst_overshoot_detail = {
+                "op": op, "took_ms": took * 1e3, "deadline_ms": deadline_s * 1e3,
+                "own_cpu_ms": own_ms, "run_queue_wait_ms": wait_ms,
+                "blocked_ms": max(0.0, took * 1e3 - own_ms - wait_ms),
+                "other_threads_cpu_ms": max(0.0, (proc1 - proc0) * 1e3 - own_ms)}
+        return result, took
 
     def request(self, prompt: list[int], local: int, *, phase: str = "") -> None:
         orch, t = self.orch, self.tally
@@ -152,30 +191,18 @@ class Engine:
             held.append(local_slots)
             if local:
                 write_kv(self.pool, self.layout, prefix_kv(self.layout, prompt, 0, local), local_slots)
-            t0 = time.perf_counter()
-            m = orch.match(rid, prompt, local_hit_tokens=local)
+            m, _ = self._timed("match", orch.config.deadlines.lookup_ms / 1000,
+                               orch.match, rid, prompt, local_hit_tokens=local)
             n = m.tokens
-            took = time.perf_counter() - t0
-            t.return_times.append(took)
-            over = took - orch.config.deadlines.lookup_ms / 1000
-            t.worst_overshoot_s = max(t.worst_overshoot_s, over)
-            if over > self.slack:
-                t.hung += 1
             loaded = 0
             got = None
             if n:
                 got = self.slots.alloc(n)
                 if got is not None:
                     held.append(got)
-                t0 = time.perf_counter()
-                res = orch.load_back(rid, got)
-                took = time.perf_counter() - t0
-                t.return_times.append(took)
+                res, took = self._timed("load_back", orch.config.deadlines.retrieve_s(n),
+                                        orch.load_back, rid, got)
                 t.load_times.append(took)
-                over = took - orch.config.deadlines.retrieve_s(n)
-                t.worst_overshoot_s = max(t.worst_overshoot_s, over)
-                if over > self.slack:
-                    t.hung += 1
                 t.promised_tokens += n
                 if res.state == PrefixState.LOADED:
                     loaded = res.loaded_tokens
