@@ -68,23 +68,23 @@ class Stack:
         except OSError:
             return 0
 
-    def cold(self, ids: list[int]) -> Generation:
+    def cold(self, ids: list[int], store_wait_s: float = 10.0) -> Generation:
         """First ever generation of a new prompt: nothing can hit, so it is the recompute
         reference; the daemon stores it (waited for, bounded) when the backend is connected."""
         before = self.objects()
         gen = self.generate(ids)
         if gen.ok:
             assert gen.meta.get("cached_tokens", 0) == 0, f"a new prompt hit a cache: {gen.meta}"
-        # a connected backend stores as the request finishes (measured: within ms); a short
-        # wait keeps the recovery figures fine-grained when it is not connected yet
         self.stored = gen.ok and _try_wait(
-            lambda: self.objects() >= before + len(ids) // CHUNK, 1.5)
+            lambda: self.objects() >= before + len(ids) // CHUNK, store_wait_s)
         return gen
 
-    def hit_cycle(self, seed: int) -> tuple[Generation, Generation]:
+    def hit_cycle(self, seed: int, store_wait_s: float = 1.5) -> tuple[Generation, Generation]:
         """A new prompt computed (and stored), the device tree flushed, the prompt again."""
         ids = prompt(seed)
-        ref = self.cold(ids)
+        # a connected backend stores as the request finishes (measured: within ms); a short
+        # wait keeps recovery figures fine-grained while it is not connected yet
+        ref = self.cold(ids, store_wait_s=store_wait_s)
         if not self.server.flush_cache(timeout_s=self.deadline_s):
             return ref, Generation(ids, None, {}, 0.0, "flush_cache refused (requests queued)")
         return ref, self.generate(ids)

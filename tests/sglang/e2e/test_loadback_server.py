@@ -67,7 +67,7 @@ def test_daemon_absent_at_start_then_hits_begin(ours):
 
 def test_happy_path_storage_hit(ours):
     live(ours)
-    ref, again = ours.hit_cycle(ours.new_seed())
+    ref, again = ours.hit_cycle(ours.new_seed(), store_wait_s=10.0)
     assert ours.stored, "the finished request was not stored in the daemon"
     assert_within_bound([ref, again], "happy path")
     details = again.meta.get("cached_tokens_details") or {}

@@ -35,7 +35,7 @@ def _restart_and_watch(stack):
 def test_upstream_happy_then_killed_between_lookup_and_retrieve(make_stack):
     stack = make_stack("upstream", deadline_s=CLIENT_DEADLINE_S)
     try:
-        ref, again = stack.hit_cycle(stack.new_seed())
+        ref, again = stack.hit_cycle(stack.new_seed(), store_wait_s=10.0)
         assert ref.ok and again.ok and loaded_tokens(again) > 0, (
             "upstream's happy path must work for the comparison to mean anything")
         assert again.output_ids == ref.output_ids
