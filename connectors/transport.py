@@ -19,9 +19,9 @@ Design choices, each answering one of the daemon's traps:
 - `CONNECT_TIMEOUT`, `RECONNECT_IVL(_MAX)`: TCP connects never inherit the OS timeout.
 - A sentinel socket with a ZMQ monitor counts (re)connections: `epoch` increases when a
   new daemon process accepts us after a disconnect, which is how a restart is noticed.
-  A disconnect marks the daemon down at once: until a daemon accepts us again, calls
-  raise DaemonUnavailable without waiting, and calls already waiting for a reply that can
-  no longer come end with DaemonTimeout.
+  A disconnect marks the daemon down at once: until a daemon accepts us again, a call
+  that finds no connection raises DaemonUnavailable without waiting, and calls already
+  waiting for a reply that can no longer come end with DaemonTimeout.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ _uid_decoder = msgspec.msgpack.Decoder(int)
 
 #: How often a call waiting for its reply checks whether the daemon disconnected.
 _SLICE_MS = 5
+#: How often the sentinel tries to reach a daemon that went away.
+_WATCH_MS = 20
 
 #: Retired sockets kept for their fences; beyond this the oldest is closed and its calls
 #: are no longer tracked (a daemon hung through this many timeouts).
@@ -99,21 +101,24 @@ class ZmqTransport:
         self._epoch = 0
         self._connected_once = False
         self._disconnected = False
-        self._sentinel = self._new_socket()
+        self._disconnects = 0
+        # It watches for the daemon coming back: retry often (a refused loopback connect is
+        # one SYN), so calls that fail fast while it is down resume soon after it is up.
+        self._sentinel = self._new_socket(reconnect_ms=min(self._reconnect_ms, _WATCH_MS))
         self._monitor = self._sentinel.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         )
 
     # -- sockets -------------------------------------------------------------
 
-    def _new_socket(self) -> zmq.Socket:
+    def _new_socket(self, reconnect_ms: int | None = None) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.CONNECT_TIMEOUT, self._connect_timeout_ms)
         sock.setsockopt(zmq.HANDSHAKE_IVL, self._connect_timeout_ms)
-        sock.setsockopt(zmq.RECONNECT_IVL, self._reconnect_ms)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_max_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL, reconnect_ms or self._reconnect_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_ms or self._reconnect_max_ms)
         sock.connect(self.endpoint)
         return sock
 
@@ -236,10 +241,8 @@ class ZmqTransport:
         (default: by `wire.OP_PLACES`; the caller must pass one for "affinity" ops).
         """
         deadline = time.monotonic() + max(0.0, timeout_s)
-        if self._down:
-            raise DaemonUnavailable(
-                f"{op}: the LMCache daemon at {self.endpoint} disconnected and has not "
-                "accepted us again yet; check that it runs (calls resume once it does)")
+        self.epoch  # reads the monitor's events: a disconnect after this one loses the reply
+        seen = self._disconnects
         sock = self._socket()
         uid = next(self._uids)
         op_frame = OP_FRAMES[op]
@@ -248,11 +251,12 @@ class ZmqTransport:
             self._send(sock, op, [msgspec.msgpack.encode(uid), op_frame, *payloads], deadline,
                        timeout_s)
             return self._await(sock, op, op_frame, uid, request_id, fence, probe, deadline,
-                               timeout_s)
+                               timeout_s, seen)
         finally:
             del self._in_flight[uid]
 
-    def _await(self, sock, op, op_frame, uid, request_id, fence, probe, deadline, timeout_s):
+    def _await(self, sock, op, op_frame, uid, request_id, fence, probe, deadline, timeout_s,
+               seen):
         """Wait for `uid`'s reply on `sock` (see call)."""
         probe_uid = None
         if probe:
@@ -267,7 +271,7 @@ class ZmqTransport:
             if remaining_ms <= 0 or not sock.poll(
                     max(1, min(_SLICE_MS, int(remaining_ms + 0.999))), zmq.POLLIN):
                 now = time.monotonic()
-                lost = now < deadline and self._down
+                lost = now < deadline and self._lost_since(seen)
                 if now < deadline and not lost:
                     continue
                 if answered:  # the probe's answer is late; ours is in hand
@@ -311,16 +315,16 @@ class ZmqTransport:
                 return
             except zmq.Again:
                 pass
+            if self._down:  # no connection, and the daemon went away: do not wait for it
+                raise DaemonUnavailable(
+                    f"{op}: the LMCache daemon at {self.endpoint} disconnected and has not "
+                    "accepted us again; check that it runs (calls resume once it does)")
             remaining_ms = (deadline - time.monotonic()) * 1000
             # In slices: a disconnect seen meanwhile ends the wait at once.
-            if remaining_ms <= 0 or not sock.poll(max(1, min(5, int(remaining_ms))),
+            if remaining_ms <= 0 or not sock.poll(max(1, min(_SLICE_MS, int(remaining_ms))),
                                                   zmq.POLLOUT):
-                if time.monotonic() < deadline and not self._down:
+                if time.monotonic() < deadline:
                     continue
-                if self._down:
-                    raise DaemonUnavailable(
-                        f"{op}: the LMCache daemon at {self.endpoint} disconnected; check "
-                        "that it runs (calls resume once it accepts us again)")
                 raise DaemonUnavailable(
                     f"{op}: no connection to the LMCache daemon at {self.endpoint} within "
                     f"{timeout_s * 1000:.0f} ms (refused, down or not accepting); "
@@ -335,6 +339,11 @@ class ZmqTransport:
         self.epoch  # reads the monitor's events
         return self._disconnected
 
+    def _lost_since(self, seen: int) -> bool:
+        """The connection dropped after `seen` disconnects: a reply can no longer come."""
+        self.epoch
+        return self._disconnects > seen
+
     @property
     def epoch(self) -> int:
         """How many times a daemon accepted us again after a disconnect."""
@@ -345,6 +354,7 @@ class ZmqTransport:
                 event = recv_monitor_message(self._monitor)["event"]
                 if event == zmq.EVENT_DISCONNECTED:
                     self._disconnected = True
+                    self._disconnects += 1
                 elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     if self._connected_once and self._disconnected:
                         self._epoch += 1
