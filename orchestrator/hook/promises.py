@@ -81,6 +81,8 @@ class LookupWorker:
     def resolve(self, job: Lookup, now: float) -> int | None:
         """Tokens promised, or None while the LOOKUP may still answer in time."""
         with self._lock:
+            if job.abandoned:
+                return 0  # a miss for good: the worker releases whatever it got
             if job.done.is_set():
                 return job.tokens
             if now < job.deadline:

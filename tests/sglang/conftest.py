@@ -261,8 +261,19 @@ def _evict_params(n: int):
     return EvictParams(num_tokens=n)
 
 
-def tree_consistent(cache) -> None:
-    """evictable + protected sizes equal the tree's own sums; lock refs never negative."""
+def pool_conserved(cache) -> None:
+    """SGLang's idle pool invariant: available + evictable + protected == total."""
+    alloc = cache.token_to_kv_pool_allocator
+    total = alloc.available_size() + cache.evictable_size() + cache.protected_size()
+    assert total == alloc.size, (alloc.available_size(), cache.evictable_size(),
+                                 cache.protected_size(), alloc.size)
+
+
+def tree_consistent(cache, *, idle: bool = False) -> None:
+    """evictable + protected sizes equal the tree's own sums; lock refs never negative; when
+    no request holds KV (`idle`), SGLang's pool invariant holds too."""
+    if idle:
+        pool_conserved(cache)
     evictable = protected = 0
     stack = [cache.root_node]
     while stack:

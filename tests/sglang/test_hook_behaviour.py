@@ -64,7 +64,7 @@ def test_grown_radix_hit_rederives_the_promise(live_daemon, make_cache, page):
     if got["loaded"]:
         assert kv_matches(s.pool, got["loaded_slots"], ids[2 * CHUNK:], 2 * CHUNK)
     s.finish(b)
-    tree_consistent(cache)
+    tree_consistent(cache, idle=True)
     wait_for(lambda: live_daemon.held()["read_locks"] == 0, 10, "no lock left behind")
     assert cache.orch.live_prefixes() == 0
 
@@ -108,7 +108,7 @@ def test_extra_key_and_cache_salt_separate_keys(live_daemon, make_cache, field):
         assert got["loaded"] == hit, (rid, ns, got["loaded"])
         s.finish(r)
         s.flush()
-    tree_consistent(cache)
+    tree_consistent(cache, idle=True)
 
 
 def test_chunk_size_not_a_multiple_of_page_size_names_both_flags(make_cache):
@@ -243,3 +243,36 @@ def test_metrics_reach_sglang_multiprocess_collector(tmp_path):
     text = generate_latest(registry).decode()
     assert 'loadback_lookups_total{result="skipped"} 1.0' in text, text[:2000]
     assert "loadback_daemon_up" in text
+
+
+def test_lookup_answered_after_its_deadline_stays_a_miss():
+    """0.5.23: a LOOKUP resolved as a miss at its deadline is never promised afterwards, even
+    once its answer arrives; the worker releases that late answer (abort)."""
+    import threading
+
+    from orchestrator.hook.promises import Lookup, LookupWorker, Promise
+
+    asked, answer = threading.Event(), threading.Event()
+    aborted = []
+
+    class SlowOrchestrator:
+        def match(self, request_id, token_ids, *, local_hit_tokens, cache_salt):
+            asked.set()
+            answer.wait(10)
+            return 64
+
+        def abort(self, request_id):
+            aborted.append(request_id)
+
+    worker = LookupWorker(SlowOrchestrator())
+    try:
+        job = Lookup(Promise("r#0.1", array("q", range(64)), "", 0), deadline=0.0)
+        worker.submit(job)
+        assert asked.wait(10)                             # the LOOKUP is in flight
+        assert worker.resolve(job, now=1.0) == 0          # past its deadline: a miss
+        answer.set()
+        assert job.done.wait(10)
+        wait_for(lambda: aborted == ["r#0.1"], 10, "the late answer released")
+        assert worker.resolve(job, now=2.0) == 0          # still a miss, never 64
+    finally:
+        worker.close()

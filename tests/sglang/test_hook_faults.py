@@ -56,20 +56,6 @@ def store(s: Sched, ids) -> None:
     s.flush()
 
 
-def loads_back(s: Sched, ids, rid: str) -> None:
-    """The next request works: a stored prefix loads back byte-exact (or, on a fresh daemon,
-    stores and then loads)."""
-    cache = s.cache
-    store(s, ids)
-    r = s.new_req(rid, ids + [1, 2, 3])
-    got = s.admit(r)
-    n = len(ids) // CHUNK * CHUNK
-    assert got["loaded"] == n, got
-    assert kv_matches(s.pool, got["loaded_slots"], ids[:n], 0)
-    s.finish(r)
-    tree_consistent(cache)
-
-
 def admit_and_check(s: Sched, ids, rid: str) -> dict:
     cache = s.cache
     s.flush()
@@ -78,7 +64,7 @@ def admit_and_check(s: Sched, ids, rid: str) -> dict:
     got = s.admit(r)
     s.finish(r)
     s.flush()
-    tree_consistent(cache)
+    tree_consistent(cache, idle=True)
     assert cache.token_to_kv_pool_allocator.available_size() == free0
     return got
 
@@ -120,7 +106,7 @@ def _loads_again(s: Sched) -> bool:
     got = s.admit(r)
     ok = got["loaded"] == 3 * CHUNK and kv_matches(s.pool, got["loaded_slots"], ids, 0)
     s.finish(r)
-    tree_consistent(s.cache)
+    tree_consistent(s.cache, idle=True)
     return ok
 
 
@@ -147,7 +133,7 @@ def test_retrieve_fault_frees_every_slot_and_recomputes(live_daemon, make_cache,
         s.finish(b)
         s.flush()
         assert cache.token_to_kv_pool_allocator.available_size() == free0
-        tree_consistent(cache)
+        tree_consistent(cache, idle=True)
         within_deadlines(s)
     finally:
         live_daemon.resume()
@@ -197,3 +183,44 @@ def test_abort_releases_daemon_locks_and_session(live_daemon, make_cache, page):
     wait_for(lambda: live_daemon.held()["sessions"] == 0, 10, "session ended")
     assert cache.orch.live_prefixes() == 0
     within_deadlines(s)
+
+
+@pytest.mark.parametrize("op", ["lookup", "prepare_retrieve"])
+def test_unanswered_calls_over_many_cycles_conserve_the_pool(live_daemon, make_cache, op):
+    """Cycles of store / flush / hit, every other one with the daemon never answering one
+    `op` (the fault proxy swallows it): the pool is conserved after every cycle, and the
+    healthy cycles keep loading back byte-exact."""
+    from connectors.fault_proxy import FaultProxy, FaultRule
+
+    proxy = FaultProxy(live_daemon.endpoint).start()
+    try:
+        cache = make_cache(16, make_config(proxy.port))
+        ready(cache)
+        s = Sched(cache)
+        hits = 0
+        for cycle in range(8):
+            ids = fresh_ids(4 * CHUNK)
+            store(s, ids)
+            rule = None
+            if cycle % 2:
+                rule = proxy.add_rule(FaultRule("drop", op=op, direction="request", count=1))
+            r = s.new_req(f"c{cycle}", ids + [3])
+            got = s.admit(r)
+            s.finish(r)
+            s.flush()
+            tree_consistent(cache, idle=True)
+            if rule is None:
+                assert got["loaded"] == 4 * CHUNK, (cycle, got["loaded"])
+                assert kv_matches(s.pool, got["loaded_slots"], ids, 0)
+                hits += 1
+            else:
+                assert proxy.fired(rule) == 1 and got["loaded"] == 0, (cycle, got["loaded"])
+                proxy.clear()
+        assert hits == 4
+        within_deadlines(s)
+        if op == "lookup":
+            # A RETRIEVE lost on its way leaves its locks to the daemon's read TTL (the
+            # orchestrator never releases a range twice); a lost LOOKUP is settled.
+            wait_for(lambda: live_daemon.held()["read_locks"] == 0, 15, "every lock released")
+    finally:
+        proxy.close()
