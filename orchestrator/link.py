@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from connectors.base import Connector
-from connectors.errors import ConnectorError, DaemonUnavailable
+from connectors.errors import ConnectorError, DaemonUnavailable, VersionSkew
 from metrics import LoadbackMetrics
 
 from .config import LoadBackConfig
@@ -63,6 +63,7 @@ class DaemonLink:
         self.registered_epoch: int | None = None
         self.stale_dropped = 0  # debts of an old daemon incarnation, never sent
         self._suspect = threading.Event()  # a call went unanswered: re-register next tick
+        self._skew_warned = float("-inf")  # when VersionSkew was last logged at WARNING
         self._debts: list[Debt] = []
         self._lock = threading.Lock()
         self._pay_lock = threading.Lock()  # one payer at a time keeps each request's order
@@ -225,7 +226,16 @@ class DaemonLink:
         except ConnectorError as exc:
             if must_register:
                 self._suspect.set()
-            log.debug("heartbeat failed: %s", exc)
+            if isinstance(exc, VersionSkew):
+                # An operator must act (install matching versions): say so, once a minute.
+                now = time.monotonic()
+                if now - self._skew_warned >= 60.0:
+                    self._skew_warned = now
+                    log.warning("heartbeat failed: %s", exc)
+                else:
+                    log.debug("heartbeat failed: %s", exc)
+            else:
+                log.debug("heartbeat failed: %s", exc)
             self.metrics.set_daemon_up(False)
             if self.registered_epoch is None and self.breaker.state == BreakerState.CLOSED:
                 self.breaker.trip()  # never reached: answer 0 at once until a probe succeeds
