@@ -49,6 +49,8 @@ from .safe_decode import dump_tensor_list, load_tensor_list
 from .transport import ZmqTransport
 
 Transfer = Literal["auto", "pickle", "shm"]
+#: One msgpack bin holds < 4 GiB: a pickled reply or store must stay under it (with framing).
+PICKLE_MAX_BYTES = 2**32 - (64 << 20)
 log = logging.getLogger(__name__)
 _instance_ids = itertools.count(1)
 
@@ -416,6 +418,7 @@ class LMCacheMPConnector:
             raise SlotsError(f"retrieve of tokens [{start + skip}, {end}) needs "
                              f"{end - start - skip} slots, got {len(slots)}")
         self._check_slots(pool, slots, skip)
+        self._check_pickle_size(end - start)
         key = self.key(token_ids, request_id, start=start, end=end, cache_salt=cache_salt)
         reply = self._call("prepare_retrieve", [key, self.instance_id], timeout_s,
                            request_id=request_id)
@@ -443,6 +446,15 @@ class LMCacheMPConnector:
         scatter_skipping(self.layout, chunks, pool, slots, skip)
         del chunks
         return Retrieved(nbytes=nbytes, commit=commit)
+
+    def _check_pickle_size(self, tokens: int) -> None:
+        """Refuse, before anything is sent, a pickle message the wire cannot carry."""
+        nbytes = tokens * self.layout.bytes_per_token
+        if self.transfer == "pickle" and nbytes > PICKLE_MAX_BYTES:
+            raise ProtocolError(
+                f"{tokens} tokens are {nbytes} bytes, over the {PICKLE_MAX_BYTES}-byte limit "
+                "of one pickle message: use shared memory (start the daemon with --shm-name "
+                "NAME --no-l1-use-lazy, transfer auto or shm) or move fewer tokens at once")
 
     def _check_slots(self, pool: KVPool, slots: torch.Tensor, skip: int) -> None:
         """Refuse bad slots before prepare_retrieve: after it a raise would owe a commit,
@@ -503,6 +515,7 @@ class LMCacheMPConnector:
         if end == 0:
             return True
         slots = check_slots(self.layout, slots[:end], end, pool_size=pool.num_slots)
+        self._check_pickle_size(end)
         key = self.key(token_ids, request_id, end=end, cache_salt=cache_salt)
         prep = self._call("prepare_store", [key, self.instance_id], timeout_s,
                           request_id=request_id)

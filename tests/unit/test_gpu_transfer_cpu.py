@@ -186,3 +186,28 @@ def test_mmap_close_needs_the_memoryview_export():
         m.close()
     del t
     m.close()
+
+
+def test_pickle_message_over_the_wire_limit_is_refused_before_sending(monkeypatch):
+    """msgpack cannot carry 4 GiB: a raw EncodeError (or a reply that never comes) would
+    reach the engine; a typed error naming the fix is raised before any call instead."""
+    import connectors.lmcache_mp as mp
+    from connectors.errors import ProtocolError
+
+    monkeypatch.setattr(mp, "PICKLE_MAX_BYTES", 3 * LAYOUT.chunk_bytes)
+    conn = mp.LMCacheMPConnector("tcp://127.0.0.1:9", LAYOUT, transfer="pickle")
+    sent = []
+    monkeypatch.setattr(conn, "_call", lambda *a, **k: sent.append(a))
+    pool = _pool()
+    toks = list(range(4 * 16))
+    try:
+        with pytest.raises(ProtocolError, match="--shm-name NAME --no-l1-use-lazy"):
+            conn.store_from(toks, "big", pool, torch.arange(64), timeout_s=1)
+        with pytest.raises(ProtocolError, match="limit of one pickle message"):
+            conn.retrieve_into(toks, "big", pool, torch.arange(64), start=0, end=64,
+                               timeout_s=1)
+        assert sent == []
+        conn.store_from(toks[:48], "ok", pool, torch.arange(48), timeout_s=1)  # at the limit
+        assert sent and sent[0][0] == "prepare_store"
+    finally:
+        conn.close()
