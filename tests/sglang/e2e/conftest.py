@@ -5,6 +5,8 @@ them, HTTP /generate with token ids at temperature 0.
 Run by `make test` in .venv-sglang-0.5.23 only. One server per scenario group (a start is
 14-60 s here, a stop ~7 s); servers, daemons and proxies are stopped by what started them.
 Measured figures go to stdout (`-s`) and, when LOADBACK_E2E_REPORT names a file, as JSON lines.
+LOADBACK_E2E_PROBE=1 is a measurement mode, off by default: the same backends are built through
+the test-only probe plugin (tests/sglang/probe) that times the scheduler thread inside them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import sglang  # a missing sglang fails the run: never a silent skip
 
 from connectors.daemon import DaemonProcess, free_port
 from connectors.fault_proxy import FaultProxy
-from orchestrator.tools.sglang_server import SGLangServer, write_loadback_yaml, write_upstream_yaml
+from orchestrator.tools.sglang_server import (PROBE_DIR, SGLangServer, write_loadback_yaml,
+                                              write_upstream_yaml)
 
 from .helpers import CHUNK, Stack
 
@@ -72,8 +75,13 @@ def make_stack(tmp_path_factory):
             backend = None
         else:
             raise ValueError(f"kind must be 'loadback' or 'upstream', got {kind!r}")
+        probe = {}
+        if os.environ.get("LOADBACK_E2E_PROBE") == "1":
+            backend = f"probe-{backend or 'upstream'}"
+            probe = {"python_path": [str(PROBE_DIR)], "extra_env": {
+                "LOADBACK_SCHED_PROBE_FILE": str(run_dir / "sched.jsonl")}}
         server = SGLangServer(python=sys.executable, lmcache_config=cfg, backend=backend,
-                              log_path=run_dir / "server.log")
+                              log_path=run_dir / "server.log", **probe)
         stack = Stack(server=server, daemon=daemon, proxy=None, deadline_s=deadline_s,
                       proxy_port=port)
         made.append(stack)
@@ -85,6 +93,15 @@ def make_stack(tmp_path_factory):
     yield make
     for st in made:
         st.close()
+        probe_file = st.server.extra_env.get("LOADBACK_SCHED_PROBE_FILE")
+        if probe_file and os.path.exists(probe_file):
+            per_req = sorted(json.loads(x)["total_s"] for x in open(probe_file) if x.strip())
+            if per_req:
+                report(f"scheduler_in_backend_{st.server.backend}", requests=len(per_req),
+                       p50_ms=round(per_req[len(per_req) // 2] * 1000, 2),
+                       p99_ms=round(per_req[min(len(per_req) - 1, int(len(per_req) * 0.99))]
+                                    * 1000, 2),
+                       max_ms=round(per_req[-1] * 1000, 1))
 
 
 def bring_up(stack: Stack) -> float:

@@ -37,7 +37,7 @@ class _Probe:
     def __init__(self, path: str) -> None:
         self.path = path
         self.local = threading.local()
-        self.per_rid: dict[str, list[float]] = {}  # rid -> [total_s, max_s, calls]
+        self.per_rid: dict[str, list] = {}  # rid -> [total_s, max_s, calls, slowest hook]
         self.unattributed = 0.0
 
     def wrap(self, cache) -> None:
@@ -64,16 +64,17 @@ class _Probe:
         if rid is None:
             self.unattributed += dt
             return
-        rec = self.per_rid.setdefault(rid, [0.0, 0.0, 0])
+        rec = self.per_rid.setdefault(rid, [0.0, 0.0, 0, None])
         rec[0] += dt
-        rec[1] = max(rec[1], dt)
+        if dt > rec[1]:
+            rec[1], rec[3] = dt, name
         rec[2] += 1
         if name in FINAL:
-            total, longest, calls = self.per_rid.pop(rid)
+            total, longest, calls, slowest = self.per_rid.pop(rid)
             with open(self.path, "a") as f:
                 f.write(json.dumps({"rid": rid, "hook": name, "total_s": total,
-                                    "max_call_s": longest, "calls": calls,
-                                    "unattributed_s": self.unattributed}) + "\n")
+                                    "max_call_s": longest, "slowest_hook": slowest,
+                                    "calls": calls, "unattributed_s": self.unattributed}) + "\n")
 
 
 def register() -> None:
