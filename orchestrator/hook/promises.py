@@ -93,3 +93,61 @@ class LookupWorker:
 
 def promised_tokens(result) -> int:
     return int(getattr(result, "tokens", result))
+
+
+@dataclass(eq=False)
+class StoreJob:
+    """A finished request's whole chunks on their way to the daemon. The tree node holding
+    their slots stays locked until the scheduler thread sees the job done."""
+
+    handle: Any
+    request_id: str
+    token_ids: list
+    slots: Any
+    salt: str
+    node: Any                 # None once the tree it belongs to was reset
+    receipt: Any              # the tree lock's release receipt (scheduler thread only)
+    finish: bool = False      # end the daemon session after the store
+    stored: bool = False
+
+
+class StoreWorker:
+    """One thread per cache running `store()` (bounded by deadlines.store_ms) and the session
+    end behind it, so a finished request never holds the scheduler thread."""
+
+    def __init__(self, orch) -> None:
+        self.orch = orch
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.completed: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="loadback-store", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: StoreJob) -> None:
+        self._q.put(job)
+
+    def finish_after(self, job: StoreJob) -> bool:
+        """End the session once the store is through; False when it already is (the caller
+        ends it)."""
+        with self._lock:
+            if job.stored:
+                return False
+            job.finish = True
+            return True
+
+    def close(self, timeout_s: float) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while (job := self._q.get()) is not None:
+            try:
+                self.orch.store(job.request_id, job.token_ids, job.slots, cache_salt=job.salt)
+            except Exception:  # counted by the orchestrator; the worker carries on
+                log.exception("store %s failed", job.request_id)
+            with self._lock:
+                job.stored = True
+                finish = job.finish
+            if finish:
+                self.orch.finish(job.request_id)
+            self.completed.put(job)

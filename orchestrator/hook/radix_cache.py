@@ -27,7 +27,14 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParam
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from . import compat
-from .promises import Lookup, LookupWorker, Promise, promised_tokens
+from .promises import (
+    Lookup,
+    LookupWorker,
+    Promise,
+    StoreJob,
+    StoreWorker,
+    promised_tokens,
+)
 
 log = logging.getLogger("loadback.hook")
 
@@ -39,6 +46,8 @@ class LoadBackRadixCache(RadixCache):
                  tp_group=None, orchestrator=None, async_lookups: bool | None = None) -> None:
         self._promises: dict[Any, Promise] = {}
         self._lookups: dict[Any, Lookup] = {}
+        self._stores: dict[Any, StoreJob] = {}
+        self._store_worker: StoreWorker | None = None
         super().__init__(params)
         self.config = config
         chunk = config.chunk_size
@@ -58,6 +67,7 @@ class LoadBackRadixCache(RadixCache):
         if async_lookups is None:
             async_lookups = self.shim.prefix_len_api and tp_size == 1
         self._worker = LookupWorker(self.orch) if async_lookups else None
+        self._store_worker = StoreWorker(self.orch)
         self._ids = 0
         self._id_lock = threading.Lock()
         #: Seconds the scheduler thread spent in calls that may reach the daemon (recent ones).
@@ -103,6 +113,10 @@ class LoadBackRadixCache(RadixCache):
                 self._worker.resolve(job, float("inf"))  # queued LOOKUPs are not sent
             self._worker.close()
             self._worker = None
+        if self._store_worker is not None:
+            self._store_worker.close(self.config.deadlines.store_ms / 1000 + 1)
+            self._drain_stores()
+            self._store_worker = None
         self.orch.close()
 
     shutdown = close
@@ -111,9 +125,40 @@ class LoadBackRadixCache(RadixCache):
         self.close()
 
     def reset(self) -> None:
+        # A store in flight still reads its slots: let it finish (bounded) before the pool
+        # and tree are rebuilt; a store that outlives that no longer owns a tree lock.
+        self._wait_stores(self.config.deadlines.store_ms / 1000 + 1 if self._stores else 0)
+        for job in self._stores.values():
+            job.node = None
         super().reset()
         for handle in list(self._promises) + list(self._lookups):
             self._drop(handle, abort=True)
+        self._stores.clear()
+
+    def evict(self, params):
+        self._drain_stores()
+        return super().evict(params)
+
+    def _drain_stores(self) -> None:
+        """Scheduler thread: unlock the nodes of stores that went through."""
+        worker = self._store_worker
+        while worker is not None and not worker.completed.empty():
+            job = worker.completed.get_nowait()
+            if self._stores.get(job.handle) is job:
+                del self._stores[job.handle]
+            if job.node is not None:
+                if job.receipt is None:
+                    self.dec_lock_ref(job.node)
+                else:
+                    self.dec_lock_ref(job.node, job.receipt)
+                job.node = None
+
+    def _wait_stores(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        self._drain_stores()
+        while self._stores and time.monotonic() < deadline:
+            time.sleep(0.005)
+            self._drain_stores()
 
     # ---------------------------------------------------------------- helpers
 
@@ -151,11 +196,14 @@ class LoadBackRadixCache(RadixCache):
 
     def _drop(self, handle, *, abort: bool) -> Promise | None:
         p = self._promises.pop(handle, None)
-        job = self._lookups.pop(handle, None)
-        if job is not None:
-            if self._worker.resolve(job, float("inf")) is None or job.abandoned:
+        job = self._stores.get(handle)
+        if job is not None and self._store_worker.finish_after(job):
+            return p  # the session ends behind the store in flight
+        lookup = self._lookups.pop(handle, None)
+        if lookup is not None:
+            if self._worker.resolve(lookup, float("inf")) is None or lookup.abandoned:
                 return p  # the worker releases a LOOKUP still in flight itself
-            p = p or job.promise
+            p = p or lookup.promise
         if p is not None:
             try:
                 (self.orch.abort if abort else self.orch.finish)(p.request_id)
@@ -166,6 +214,7 @@ class LoadBackRadixCache(RadixCache):
     # ------------------------------------------------------------ match_prefix
 
     def match_prefix(self, params: MatchPrefixParams):
+        self._drain_stores()
         base = super().match_prefix(params)
         req, key = params.req, params.key
         if req is None or self.disable or not key or key.is_bigram:
@@ -341,13 +390,15 @@ class LoadBackRadixCache(RadixCache):
         return False
 
     def check_hicache_events(self) -> None:
-        """Loads complete inside init_load_back; nothing is pending here."""
+        """Loads complete inside init_load_back; stores that went through unlock here."""
+        self._drain_stores()
 
     def ready_to_load_host_cache(self) -> int:
         return -1
 
     def has_pending_cache_operations(self) -> bool:
-        return bool(self._lookups)
+        self._drain_stores()
+        return bool(self._lookups or self._stores)
 
     # ---------------------------------------------------------- init_load_back
 
@@ -455,9 +506,15 @@ class LoadBackRadixCache(RadixCache):
             base = super().match_prefix(MatchPrefixParams(key=key))
             slots = self.shim.path_indices(self, base)
             n = len(slots) // self.chunk_size * self.chunk_size
-            if n == 0:
+            if n == 0 or handle in self._stores:
                 return
-            self._timed(self.orch.store, p.request_id, ids[:n], slots[:n],
-                        cache_salt=self._salt(req.extra_key, req.cache_salt))
+            # The node stays locked (its slots unevictable) until the store went through.
+            node = base.last_device_node
+            taken = self.inc_lock_ref(node)
+            job = StoreJob(handle, p.request_id, ids[:n], slots[:n].clone(),
+                           self._salt(req.extra_key, req.cache_salt), node,
+                           taken.to_dec_params() if hasattr(taken, "to_dec_params") else None)
+            self._stores[handle] = job
+            self._store_worker.submit(job)
         except Exception:  # a failed store is counted by the orchestrator; never raised
             log.exception("store for %s failed", req.rid)

@@ -245,6 +245,18 @@ class Sched:
         else:
             release_kv_cache(req, self.cache)
         self.calls.append(("finish", time.perf_counter() - t0))
+        self.settle()
+
+    def settle(self, limit_s: float = 10.0) -> None:
+        """Scheduler passes until the cache has nothing in flight (the STORE runs off the
+        scheduler thread; its tree lock is dropped at a pass)."""
+        limit = time.monotonic() + limit_s
+        while True:
+            self._t("check_hicache_events", self.cache.check_hicache_events)
+            if not self.cache.has_pending_cache_operations():
+                return
+            assert time.monotonic() < limit, "cache operations still pending"
+            time.sleep(0.002)
 
     def abort(self, req) -> None:
         self._t("release_aborted_request", self.cache.release_aborted_request,

@@ -42,7 +42,8 @@ def ready(cache, timeout_s: float = 30.0) -> None:
 
 def within_deadlines(s: Sched) -> None:
     bound = {"match_prefix": LOOKUP_S, "init_load_back": RETRIEVE_S,
-             "finish": 1.0, "check_prefetch_progress": 0.05, "prefetch_from_storage": 0.05,
+             "finish": 0.05, "check_prefetch_progress": 0.05, "prefetch_from_storage": 0.05,
+             "check_hicache_events": 0.05,
              "release_aborted_request": 0.3}
     for name, took in s.calls:
         assert took <= bound[name] + SLACK_S, f"{name} took {took:.3f} s"
