@@ -241,8 +241,8 @@ class SGLangServer:
             except FileNotFoundError:
                 pass
         self._shm.clear()
-        if self._cwd:
-            shutil.rmtree(self._cwd, ignore_errors=True) if not self._log_in_cwd() else None
+        if self._cwd and not self._log_in_cwd():  # keep a log written there for the reader
+            shutil.rmtree(self._cwd, ignore_errors=True)
         self.proc = None
         return time.monotonic() - t0
 
