@@ -337,7 +337,8 @@ class LoadBackRadixCache(RadixCache):
         job = self._lookups.get(handle)
         if job is None:
             p = self._promises.get(handle)
-            if p is not None and p.tokens > 0 and p.relookups < 3:
+            if self._worker is not None and p is not None and p.tokens > 0 \
+                    and p.relookups < 3:
                 device_len = self.shim.device_len(
                     super().match_prefix(MatchPrefixParams(key=p.key)))
                 if device_len != p.local_tokens:
