@@ -127,6 +127,9 @@ def test_untested_sglang_fails_at_start_unless_opted_in(monkeypatch):
         compat.check_version("0.5.22", allowed=compat.allow_untested(make_config(1)))
     assert "0.5.22" in str(err.value) and "0.5.20, 0.5.23" in str(err.value)
     assert compat.ALLOW_UNTESTED_ENV in str(err.value)
+    # The operator's opt-in: a key in the YAML, or the environment.
+    compat.check_version("0.5.22", allowed=compat.allow_untested(
+        make_config(1, sglang={"allow_untested": True})))
     monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
     compat.check_version("0.5.22", allowed=compat.allow_untested(make_config(1)))
     compat.check_version(compat.sglang_version(), allowed=False)   # the installed one passes
