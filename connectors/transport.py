@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import msgspec
@@ -46,6 +46,11 @@ _SLICE_MS = 5
 #: How often the sentinel tries to reach a daemon that went away.
 _WATCH_MS = 20
 
+#: A fence unanswered this long is sent again (doubling up to the max): a peer that
+#: swallowed requests for a while (a wedged proxy) answers a later one.
+_REFENCE_MIN_S = 0.1
+_REFENCE_MAX_S = 2.0
+
 #: Retired sockets kept for their fences; beyond this the oldest is closed and its calls
 #: are no longer tracked (a daemon hung through this many timeouts).
 MAX_RETIRED = 64
@@ -60,13 +65,17 @@ _PLACE_FENCES: dict[str, tuple[str, list[bytes]]] = {
 
 @dataclass
 class _Retired:
-    """A socket whose call timed out, kept until its fence answers or the daemon changes."""
+    """A socket whose call timed out, kept until a fence answers or the daemon changes."""
 
     sock: zmq.Socket
     epoch: int
-    #: uid -> request id of the calls sent on it and never answered (the fence included).
+    #: uid -> request id of the calls sent on it and never answered (fences included).
     pending: dict[int, str | None]
-    fence_uid: int | None
+    request_id: str | None
+    fence: tuple[str, list[bytes]] | None
+    fences: set[int] = field(default_factory=set)
+    fenced_at: float = 0.0
+    refence_s: float = _REFENCE_MIN_S / 2
 
 
 class ZmqTransport:
@@ -155,23 +164,31 @@ class ZmqTransport:
             self._sockets.pop(threading.get_ident(), None)
             self.sockets_replaced += 1
         self._local.sock = None
-        pending: dict[int, str | None] = {uid: request_id}
-        fence_uid = None
-        if fence is not None:
-            fence_uid = next(self._uids)
-            try:
-                sock.send_multipart([msgspec.msgpack.encode(fence_uid), OP_FRAMES[fence[0]],
-                                     *fence[1]], zmq.NOBLOCK, copy=False)
-                pending[fence_uid] = request_id
-            except zmq.ZMQError:
-                fence_uid = None  # no connection now: only the epoch can settle it
+        r = _Retired(sock, epoch, {uid: request_id}, request_id, fence)
         with self._retired_lock:
-            self._retired.append(_Retired(sock, epoch, pending, fence_uid))
+            self._send_fence(r, time.monotonic())
+            self._retired.append(r)
             self._sweep_retired(epoch)
 
+    def _send_fence(self, r: _Retired, now: float) -> None:
+        """Send (again) r's fence; a peer that swallows requests may have lost the last."""
+        if r.fence is None:
+            return
+        r.fenced_at, r.refence_s = now, min(r.refence_s * 2, _REFENCE_MAX_S)
+        uid = next(self._uids)
+        try:
+            r.sock.send_multipart([msgspec.msgpack.encode(uid), OP_FRAMES[r.fence[0]],
+                                   *r.fence[1]], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            return  # no connection now: a later fence, or the next daemon, settles it
+        r.pending[uid] = r.request_id
+        r.fences.add(uid)
+
     def _sweep_retired(self, epoch: int) -> None:
-        """Read what retired sockets received; close those settled. Holds _retired_lock."""
+        """Read what retired sockets received, fence again where no fence answered for a
+        while, close those settled. Holds _retired_lock."""
         keep = []
+        now = time.monotonic()
         for r in self._retired:
             if r.epoch == epoch:
                 while r.pending:
@@ -183,11 +200,15 @@ class ZmqTransport:
                         reply_uid = _uid_decoder.decode(reply[0].buffer)
                     except (msgspec.DecodeError, IndexError):
                         continue
-                    if reply_uid == r.fence_uid:
-                        r.pending.clear()  # everything sent before it was served or dropped
+                    if reply_uid in r.fences:
+                        # Everything sent before it on this connection was served or dropped.
+                        r.pending = {u: rid for u, rid in r.pending.items() if u > reply_uid}
+                        r.fences = {u for u in r.fences if u > reply_uid}
                     elif r.pending.pop(reply_uid, False) is not False:
                         self.late_replies += 1
                 if r.pending:
+                    if now - r.fenced_at >= r.refence_s:
+                        self._send_fence(r, now)
                     keep.append(r)
                     continue
             r.sock.close(linger=0)

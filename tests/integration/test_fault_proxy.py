@@ -275,3 +275,14 @@ def test_rule_validation_refuses_nonsense():
         FaultProxy("tcp://127.0.0.1:1", host="0.0.0.0")
     with pytest.raises(ValueError):
         FaultProxy("tcp://127.0.0.1:1").add_rule(FaultRule("truncate_kv"))
+
+
+def test_calls_swallowed_by_a_wedged_peer_are_settled_once_it_answers_again(proxy, connector):
+    """The fence sent behind a timed-out call is swallowed too; a later fence proves it."""
+    connector.register(5.0)
+    proxy.add_rule(FaultRule("silence", op="*", direction="request"))
+    with pytest.raises(DaemonTimeout):
+        connector.end_session("wedged", 0.05)
+    assert connector.unanswered("wedged") == 2  # the call and its fence, both swallowed
+    proxy.clear()
+    wait_for(lambda: connector.unanswered("wedged") == 0, 10.0)
