@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConnectorError
+from .telemetry import QUIET_TELEMETRY
 from .transport import ZmqTransport
 
 
@@ -101,8 +102,7 @@ class DaemonProcess:
         if self.proc and self.proc.poll() is None:
             raise DaemonStartError(f"daemon pid {self.proc.pid} is already running")
         check_port_free(self.host, self.port)
-        env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1",
-                   PYTHONWARNINGS="ignore")
+        env = dict(os.environ, **QUIET_TELEMETRY, PYTHONWARNINGS="ignore")
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -17,6 +17,7 @@ to a same-size torch copy_ of ~21 GB/s): chunk 256 gather 0.62 / scatter 0.61 (s
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Sequence
@@ -324,3 +325,32 @@ def scatter_chunks(layout: KVLayout, chunks: Sequence[torch.Tensor],
             torch.stack(chunks[j0:j0 + cnt], dim=2, out=view.unflatten(2, (cnt, c)))
         _move_rows(ks, vs, slots[j0 * c:(j0 + cnt) * c], view,
                    None if start is None else start + j0 * c, gather=False)
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """The engine's KV memory: per layer a K and a V tensor `[slots, heads, head_dim]`."""
+
+    k_buffer: Sequence[torch.Tensor]
+    v_buffer: Sequence[torch.Tensor]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k_buffer[0].shape[0]
+
+
+def scatter_skipping(layout: KVLayout, chunks, pool: KVPool, slots: torch.Tensor, skip: int) -> None:
+    """Scatter chunks into slots, dropping the first `skip` tokens of the first chunk."""
+    if skip == 0:
+        scatter_chunks(layout, chunks, pool.k_buffer, pool.v_buffer, slots)
+        return
+    for i, c in enumerate(chunks):  # validate all before writing any (all or nothing)
+        if not isinstance(c, torch.Tensor) or tuple(c.shape) != layout.chunk_shape \
+                or c.dtype != layout.dtype:
+            raise ProtocolError(f"chunk {i} is not a {layout.chunk_shape} {layout.dtype} tensor")
+    head = layout.chunk_size - skip
+    head_layout = dataclasses.replace(layout, chunk_size=head)
+    scatter_chunks(head_layout, [chunks[0][:, :, skip:, :].contiguous()],
+                   pool.k_buffer, pool.v_buffer, slots[:head])
+    if len(chunks) > 1:
+        scatter_chunks(layout, chunks[1:], pool.k_buffer, pool.v_buffer, slots[head:])

@@ -24,7 +24,6 @@ import logging
 import mmap
 import os
 import time
-from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 import msgspec
@@ -44,7 +43,7 @@ from .errors import (
     VersionSkew,
 )
 from .gpu_transfer import GpuTransfer, on_cuda, pool_device
-from .kv_layout import KVLayout, check_slots, gather_chunks, scatter_chunks
+from .kv_layout import KVLayout, KVPool, check_slots, gather_chunks, scatter_skipping
 from .safe_decode import dump_tensor_list, load_tensor_list
 from .transport import ZmqTransport
 
@@ -58,18 +57,6 @@ _instance_ids = itertools.count(1)
 def _new_instance_id() -> int:
     # Unique per process and per connector: the daemon keys registrations by it.
     return (os.getpid() << 20) | next(_instance_ids)
-
-
-@dataclass(frozen=True)
-class KVPool:
-    """The engine's KV memory: per layer a K and a V tensor `[slots, heads, head_dim]`."""
-
-    k_buffer: Sequence[torch.Tensor]
-    v_buffer: Sequence[torch.Tensor]
-
-    @property
-    def num_slots(self) -> int:
-        return self.k_buffer[0].shape[0]
 
 
 class _ShmPool:
@@ -114,23 +101,6 @@ class _ShmPool:
             self._map.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with it
-
-
-def scatter_skipping(layout: KVLayout, chunks, pool: KVPool, slots: torch.Tensor, skip: int) -> None:
-    """Scatter chunks into slots, dropping the first `skip` tokens of the first chunk."""
-    if skip == 0:
-        scatter_chunks(layout, chunks, pool.k_buffer, pool.v_buffer, slots)
-        return
-    for i, c in enumerate(chunks):  # validate all before writing any (all or nothing)
-        if not isinstance(c, torch.Tensor) or tuple(c.shape) != layout.chunk_shape \
-                or c.dtype != layout.dtype:
-            raise ProtocolError(f"chunk {i} is not a {layout.chunk_shape} {layout.dtype} tensor")
-    head = layout.chunk_size - skip
-    head_layout = dataclasses.replace(layout, chunk_size=head)
-    scatter_chunks(head_layout, [chunks[0][:, :, skip:, :].contiguous()],
-                   pool.k_buffer, pool.v_buffer, slots[:head])
-    if len(chunks) > 1:
-        scatter_chunks(layout, chunks[1:], pool.k_buffer, pool.v_buffer, slots[head:])
 
 
 class LMCacheMPConnector:

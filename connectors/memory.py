@@ -20,8 +20,7 @@ import torch
 
 from .base import Retrieved
 from .errors import DaemonRejected, DaemonTimeout
-from .kv_layout import KVLayout, gather_chunks
-from .lmcache_mp import scatter_skipping
+from .kv_layout import KVLayout, gather_chunks, scatter_skipping
 
 
 class LeaseViolation(AssertionError):

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
+from connectors.telemetry import quiet_telemetry
+
+quiet_telemetry()
 
 EXIT_INVALID, EXIT_UNREADABLE, EXIT_USAGE = 2, 3, 64
 

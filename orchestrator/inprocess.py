@@ -9,8 +9,9 @@ port instead, which stays on loopback.
 
 from __future__ import annotations
 
-import os
 import threading
+
+from connectors.telemetry import quiet_telemetry
 
 from .config import InProcess
 
@@ -38,8 +39,7 @@ class InProcessDaemon:
         return f"tcp://{self.host}:{self.port}"
 
     def start(self) -> "InProcessDaemon":
-        os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-        os.environ.setdefault("DO_NOT_TRACK", "1")
+        quiet_telemetry()
         try:
             import argparse
 

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
+from connectors.telemetry import quiet_telemetry
+
+quiet_telemetry()
 
 from connectors.daemon import DaemonProcess  # noqa: E402
-from connectors.kv_layout import KVLayout  # noqa: E402
-from connectors.lmcache_mp import KVPool, LMCacheMPConnector  # noqa: E402
+from connectors.kv_layout import KVLayout, KVPool  # noqa: E402
+from connectors.lmcache_mp import LMCacheMPConnector  # noqa: E402
 
 CHUNK = 16
 

@@ -97,8 +97,7 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
                    tp_group=group)
 
     def _build_orchestrator(self, config, tp_size, tp_rank, tp_group):
-        from connectors.kv_layout import KVLayout
-        from connectors.lmcache_mp import KVPool
+        from connectors.kv_layout import KVLayout, KVPool
         from orchestrator.factory import create_orchestrator
 
         k, v = list(self.kvcache.k_buffer), list(self.kvcache.v_buffer)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -29,8 +28,8 @@ import yaml
 
 from connectors.daemon import DaemonProcess, free_port
 from connectors.fault_proxy import FaultProxy, FaultRule
-from connectors.kv_layout import KVLayout
-from connectors.lmcache_mp import KVPool, LMCacheMPConnector
+from connectors.kv_layout import KVLayout, KVPool
+from connectors.lmcache_mp import LMCacheMPConnector
 
 from .bench.common import percentile, progress_bar
 from ..config import LoadBackConfig

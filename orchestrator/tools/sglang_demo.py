@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connectors.daemon import DaemonProcess, free_port
+from connectors.daemon import DaemonProcess
 
 from .bench.common import median, percentile
 from .sglang_server import (PROBE_DIR, STUBS_DIR, Generation, SGLangServer,

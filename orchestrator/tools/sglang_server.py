@@ -23,6 +23,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from connectors.telemetry import QUIET_TELEMETRY
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL_DIR = REPO_ROOT / "tests" / "sglang" / "model"
 STUBS_DIR = REPO_ROOT / "tests" / "sglang" / "stubs"
@@ -160,7 +162,7 @@ class SGLangServer:
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1",
+        env = dict(os.environ, **QUIET_TELEMETRY,
                    HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
         path = list(self.python_path) + [str(STUBS_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))

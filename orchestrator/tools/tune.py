@@ -42,8 +42,8 @@ import torch
 import yaml
 
 from connectors.errors import ConnectorError, VersionSkew
-from connectors.kv_layout import KVLayout
-from connectors.lmcache_mp import KVPool, LMCacheMPConnector
+from connectors.kv_layout import KVLayout, KVPool
+from connectors.lmcache_mp import LMCacheMPConnector
 from connectors.wire import PROTOCOL_VERSION
 
 from .bench.common import fmt, median, percentile, print_table, progress_bar, write_json

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from connectors.kv_layout import KVLayout
-from connectors.lmcache_mp import KVPool
+from connectors.kv_layout import KVLayout, KVPool
 
 from ..core import LoadBackOrchestrator
 from ..states import PrefixState

@@ -12,8 +12,8 @@ import torch
 
 from connectors.daemon import DaemonProcess
 from connectors.gpu_transfer import GpuTransferError
-from connectors.kv_layout import KVLayout
-from connectors.lmcache_mp import KVPool, LMCacheMPConnector
+from connectors.kv_layout import KVLayout, KVPool
+from connectors.lmcache_mp import LMCacheMPConnector
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from connectors.telemetry import QUIET_TELEMETRY
+
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "orchestrator", "connectors",
            "metrics", "configs")
@@ -50,7 +52,7 @@ def installed(tmp_path_factory):
 def _loadback(installed, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     _, site, run_dir = installed
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=str(site), LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
+    env.update(PYTHONPATH=str(site), **QUIET_TELEMETRY)
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=run_dir,
                           env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
+from connectors.telemetry import quiet_telemetry
+
+quiet_telemetry()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from connectors.gpu_transfer import GpuTransfer, GpuTransferError, _cuda_call, _pieces
-from connectors.kv_layout import KVLayout, gather_chunks
-from connectors.lmcache_mp import KVPool, _ShmPool, scatter_skipping
+from connectors.kv_layout import KVLayout, KVPool, gather_chunks, scatter_skipping
+from connectors.lmcache_mp import _ShmPool
 from connectors import wire
 
 LAYOUT = KVLayout(num_layers=3, num_heads=2, head_dim=8, dtype=torch.bfloat16, chunk_size=16)

@@ -28,15 +28,16 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
+from connectors.telemetry import quiet_telemetry
+
+quiet_telemetry()
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 import torch  # noqa: E402
 
 from connectors.daemon import DaemonProcess  # noqa: E402
-from connectors.kv_layout import KVLayout, gather_chunks, scatter_chunks  # noqa: E402
-from connectors.lmcache_mp import KVPool, LMCacheMPConnector  # noqa: E402
+from connectors.kv_layout import KVLayout, KVPool, gather_chunks, scatter_chunks  # noqa: E402
+from connectors.lmcache_mp import LMCacheMPConnector  # noqa: E402
 
 from .common import fmt, median, print_table, write_json  # noqa: E402
 

@@ -24,8 +24,8 @@ import zmq
 from connectors.base import Retrieved
 from connectors.daemon import DaemonProcess
 from connectors.errors import ConnectorError
-from connectors.kv_layout import KVLayout
-from connectors.lmcache_mp import KVPool, LMCacheMPConnector
+from connectors.kv_layout import KVLayout, KVPool
+from connectors.lmcache_mp import LMCacheMPConnector
 from orchestrator.tools.bench.common import fmt, median, percentile, print_table, write_json
 from orchestrator.config import LoadBackConfig
 from orchestrator.core import LoadBackOrchestrator

@@ -26,15 +26,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
+from connectors.telemetry import quiet_telemetry
+
+quiet_telemetry()
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 import torch  # noqa: E402
 
 from connectors.daemon import DaemonProcess  # noqa: E402
-from connectors.kv_layout import KVLayout  # noqa: E402
-from connectors.lmcache_mp import KVPool, LMCacheMPConnector  # noqa: E402
+from connectors.kv_layout import KVLayout, KVPool  # noqa: E402
+from connectors.lmcache_mp import LMCacheMPConnector  # noqa: E402
 
 from .common import fmt, median, print_table, write_json  # noqa: E402
 
@@ -233,7 +234,6 @@ def _counts(n: int, cap: int) -> dict[str, int]:
 
 def _bench_size(n, contenders, toks, dst, perm, cap) -> dict[str, list[float]]:
     slots = perm[:n].clone()
-    dev = dst.k_buffer[0].device
     slots_for = {k: (c.own_slots[:n] if getattr(c, "own_slots", None) is not None else slots)
                  for k, c in contenders.items()}
     times = {k: [] for k in contenders}
