@@ -35,7 +35,6 @@ import sglang  # noqa: E402  (a missing sglang fails the run: never a silent ski
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
-from connectors.daemon import DaemonProcess  # noqa: E402
 from orchestrator.config import LoadBackConfig  # noqa: E402
 
 CHUNK = 16
@@ -59,21 +58,7 @@ def page_sizes() -> list[int]:
     return [16] if NEW_API else [1, 16]
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    d = DaemonProcess(chunk_size=CHUNK, http=True)
-    d.start()
-    yield d
-    d.stop()
-
-
-@pytest.fixture
-def live_daemon(daemon):
-    daemon.resume()
-    if daemon.proc is None or daemon.proc.poll() is not None:
-        daemon.start()
-    yield daemon
-    daemon.resume()
+# `daemon` and `live_daemon` come from tests/conftest.py (same chunk size, admin API on).
 
 
 def make_config(port: int, **over) -> LoadBackConfig:
