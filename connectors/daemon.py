@@ -23,6 +23,24 @@ from .telemetry import QUIET_TELEMETRY
 from .transport import ZmqTransport
 
 
+def stop_process(pid: int, settle_s: float = 2.0) -> bool:
+    """SIGSTOP `pid` and wait until the kernel shows every thread of it stopped (state T in
+    /proc): a signal is delivered asynchronously, and a request sent right after kill()
+    returns can still be served. False if it did not show stopped within `settle_s`."""
+    os.kill(pid, signal.SIGSTOP)
+    tasks = Path(f"/proc/{pid}/task")
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        try:
+            if all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt"
+                   for t in tasks.iterdir()):
+                return True
+        except OSError:
+            return False  # gone
+        time.sleep(0.0005)
+    return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -182,22 +200,8 @@ class DaemonProcess:
     def pause(self, settle_s: float = 2.0) -> None:
         """SIGSTOP: the daemon hangs with its sockets open. Returns once the kernel shows it
         stopped (signals are delivered asynchronously), or after `settle_s`."""
-        self._signal(signal.SIGSTOP)
-        deadline = time.monotonic() + settle_s
-        while self.proc and self.proc.poll() is None and time.monotonic() < deadline:
-            if self._stopped():
-                return
-            time.sleep(0.0005)
-
-    def _stopped(self) -> bool:
-        """Every thread of the daemon is stopped (state T in /proc)."""
-        try:
-            tasks = Path(f"/proc/{self.proc.pid}/task")
-            return all(
-                (t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt"
-                for t in tasks.iterdir())
-        except OSError:
-            return False
+        if self.proc and self.proc.poll() is None:
+            stop_process(self.proc.pid, settle_s)
 
     def resume(self) -> None:
         self._signal(signal.SIGCONT)

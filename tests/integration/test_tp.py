@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from connectors.daemon import DaemonProcess, free_port
+from connectors.daemon import DaemonProcess, free_port, stop_process
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(240)]
 
@@ -53,11 +53,11 @@ def _rank_main(rank: int, world: int, dist_port: int, endpoints: list[str], pids
         def step(name, pause_at):
             rid = f"{name}-{rank}"
             if pause_at == "match" and rank == 1:
-                os.kill(pids[1], signal.SIGSTOP)
+                stop_process(pids[1])
             m = orch.match(rid, toks)
             got = m.tokens
             if pause_at == "load" and rank == 1:
-                os.kill(pids[1], signal.SIGSTOP)
+                stop_process(pids[1])
             dst = torch.arange(256, 256 + max(got, 1))[:got]
             if pause_at == "alloc" and rank == 1:
                 dst = None  # this rank's engine could not allocate the slots
