@@ -162,10 +162,14 @@ class LoadBackOrchestrator:
             self._fire(p, "land")
             self._settle(p, loaded_bytes=got.nbytes)
         else:
+            if reason is None and got.ready is not None:
+                # Landed here but a peer failed: the engine recomputes into these slots, so
+                # the copy still in flight must finish first (no late write).
+                got.ready.synchronize()
             self._finish_degraded(p, reason or R.TP_PEER_FAILED)
         if bad is not None:
             raise bad
-        return self._result(p, start)
+        return self._result(p, start, ready=got.ready if ok else None)
 
     # ------------------------------------------------------------ store/finish
 
@@ -299,9 +303,10 @@ class LoadBackOrchestrator:
         marked = p.state == S.MARKED.value
         return MatchResult(p.promised_tokens if marked else 0, PrefixState(p.state), p.reason)
 
-    def _result(self, p: Prefix, start: float) -> LoadResult:
+    def _result(self, p: Prefix, start: float, ready: object | None = None) -> LoadResult:
         loaded = p.promised_tokens if p.state == S.LOADED.value else 0
-        return LoadResult(loaded, PrefixState(p.state), p.reason, self.clock() - start)
+        return LoadResult(loaded, PrefixState(p.state), p.reason, self.clock() - start,
+                          ready=ready if loaded else None)
 
     def close(self) -> None:
         """Abort every live prefix, pay what the daemon is owed (bounded), unregister."""

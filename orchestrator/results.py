@@ -45,3 +45,7 @@ class LoadResult:
     reason: DegradeReason | None = None
     #: Seconds load_back took, by the orchestrator's clock.
     elapsed_s: float = 0.0
+    #: When LOADED on a GPU pool with an asynchronous copy: the torch.cuda.Event recorded
+    #: after the last scatter. The engine's stream must wait on it before reading the slots
+    #: (`torch.cuda.current_stream().wait_event(ready)`). None: the bytes are already there.
+    ready: object | None = None

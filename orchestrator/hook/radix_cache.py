@@ -349,6 +349,9 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
             alloc.free(slots)
             return self.shim.recompute(node)
         p.loaded = n
+        if result.ready is not None:
+            # A GPU copy still in flight: the forward pass reads these slots after it.
+            torch.cuda.current_stream().wait_event(result.ready)
         new_node = TreeNode(priority=node.priority)
         new_node.key = new_key
         new_node.value = slots.to(torch.int64)

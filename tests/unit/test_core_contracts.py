@@ -128,6 +128,64 @@ def test_commit_waits_until_the_copy_is_ready():
     assert conn.calls["commit"] == 1 and conn.held_locks() == 0
 
 
+class _Event:
+    """Stands in for the torch.cuda.Event a GPU copy records after its last scatter."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def _with_event(conn, event):
+    real = conn.retrieve_into
+
+    def retrieve_into(*a, **k):
+        got = real(*a, **k)
+        got.ready = event
+        return got
+
+    conn.retrieve_into = retrieve_into
+
+
+def test_a_landed_load_hands_the_engine_its_completion_event():
+    orch, conn, _, _ = stored()
+    event = _Event()
+    _with_event(conn, event)
+    assert orch.match("r", TOKS).tokens == 64
+    res = orch.load_back("r", torch.arange(700, 764))
+    assert res.state == PrefixState.LOADED and res.ready is event
+    assert not event.waited  # load_back itself never waits for the copy
+
+
+def test_a_load_that_landed_here_but_failed_on_a_peer_waits_for_its_copy():
+    class PeerFailsAfterRetrieve:
+        """TP vote where every peer agrees except on the post-retrieve decision."""
+
+        def __init__(self) -> None:
+            self.votes = 0
+
+        def min(self, value: int) -> int:
+            self.votes += 1
+            return 0 if self.votes == 2 else value
+
+    orch, conn, _, _ = stored()
+    event = _Event()
+    _with_event(conn, event)
+    assert orch.match("r", TOKS).tokens == 64
+    orch.tp = PeerFailsAfterRetrieve()
+    res = orch.load_back("r", torch.arange(700, 764))
+    assert res.state == PrefixState.DEGRADED and res.reason == R.TP_PEER_FAILED
+    assert res.loaded_tokens == 0 and res.ready is None
+    # The engine gets these slots back to recompute into: the copy has finished first.
+    assert event.waited
+
+
 def test_failure_after_prepare_answered_pays_the_owed_commit():
     orch, conn, _, _ = stored()
     paid = []
