@@ -33,7 +33,9 @@ def test_a_call_that_computes_past_its_deadline_is_hung_and_counted_as_own_cpu()
     assert e.tally.worst_overshoot_s == pytest.approx(took - 0.001)
     assert d["op"] == "match" and d["own_cpu_ms"] >= 25
     parts = d["own_cpu_ms"] + d["run_queue_wait_ms"] + d["blocked_ms"]
-    assert parts == pytest.approx(d["took_ms"], abs=2.0)
+    # schedstat and the monotonic clock are read a few us apart and the kernel books CPU time
+    # at its own events: on a loaded 2-core machine the two sides differ by up to ~2-3 ms.
+    assert parts == pytest.approx(d["took_ms"], abs=5.0)
 
 
 def test_a_call_blocked_while_another_thread_of_ours_runs_shows_that_threads_cpu():
