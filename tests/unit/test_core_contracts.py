@@ -103,22 +103,9 @@ def test_commit_never_answered_still_reports_loaded_and_is_paid_off_path():
 
 
 def test_commit_waits_until_the_copy_is_ready():
-    class Event:
-        done = False
-
-        def query(self) -> bool:
-            return self.done
-
     orch, conn, _, _ = stored()
-    ready = Event()
-    real = conn.retrieve_into
-
-    def retrieve_into(*a, **k):
-        got = real(*a, **k)
-        got.ready = ready
-        return got
-
-    conn.retrieve_into = retrieve_into
+    ready = _Event()
+    _with_event(conn, ready)
     assert orch.match("r", TOKS).tokens == 64
     assert orch.load_back("r", torch.arange(700, 764)).state == PrefixState.LOADED
     orch.tick()
