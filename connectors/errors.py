@@ -27,6 +27,9 @@ class ConnectorError(Exception):
     #: prepare_retrieve whose data was refused), as `fn(timeout_s)`; the caller pays it off
     #: the request path. None: nothing owed.
     owed = None
+    #: True when `owed` settles every read lock of the failed call's range (a pipelined
+    #: retrieve that failed part-way): the caller must not free any of them itself.
+    locks_settled: bool = False
 
 
 class DaemonTimeout(ConnectorError):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -163,6 +163,7 @@ class GpuTransfer:
         self._ring = _PinnedRing()
         self._tables: dict[tuple, torch.Tensor] = {}
         self._kernel = _pick_kernel(scatter, self.device)
+        self._turn = 0  # the side stream the next piece goes to (pieces of one load alternate)
 
     @property
     def scatter_impl(self) -> str:
@@ -248,24 +249,29 @@ class GpuTransfer:
     # -- load ------------------------------------------------------------------
 
     def load(self, layout: KVLayout, chunks: Sequence[torch.Tensor], pool,
-             slots: torch.Tensor, skip: int, *, from_segment: bool):
+             slots: torch.Tensor, skip: int, *, from_segment: bool,
+             before_scatter: Callable[[], None] | None = None):
         """Write chunk rows [skip, n*chunk) into `slots` of the pool; returns the ready event.
 
         `chunks` are validated host tensors of `layout.chunk_shape`; `slots` are validated
         (len n*chunk - skip, in range). `from_segment`: the chunks are views into the
         attached (page-locked) segment, else they are copied through pinned staging first.
+        `before_scatter`: runs once the first piece's host-to-device copy is queued and
+        before anything is written to the pool (e.g. the slot checks, so they overlap the
+        copy); whatever it raises is raised after the queued copies have run.
         """
         if not chunks:
             return None
         if from_segment and self.segment is None:
             raise GpuTransferError("no_segment", "shared-memory chunks but no segment attached")
         try:
-            return self._load(layout, chunks, pool, slots, skip, from_segment)
-        except GpuTransferError:
-            self._drain()  # pieces already queued must not write the slots after the raise
+            return self._load(layout, chunks, pool, slots, skip, from_segment, before_scatter)
+        except BaseException:
+            self.drain()  # pieces already queued must not write the slots after the raise
             raise
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Wait until every copy and scatter queued on the side streams has run."""
         for s in self.streams:
             if s is not None:
                 try:
@@ -273,7 +279,34 @@ class GpuTransfer:
                 except RuntimeError:  # a sticky CUDA error: nothing more will run anyway
                     pass
 
-    def _load(self, layout, chunks, pool, slots, skip, from_segment):
+    def _slots_on_device(self, slots: torch.Tensor) -> torch.Tensor:
+        """Our own int64 copy of `slots` on the device, queued on the first side stream.
+
+        Never a host wait: CPU slots go through page-locked staging (a copy from pageable
+        memory would make the host wait for every copy already queued on that stream, which
+        serialises a pipelined load); CUDA slots are copied on the device. Our own copy: the
+        caller may free or reuse its tensor once this returns.
+        """
+        if not self.cuda:
+            return slots.to(torch.int64).clone()
+        s0 = self.streams[self._turn % 2]
+        with self._stream_ctx(s0):
+            if slots.device.type == "cpu":
+                src = _cuda_call("alloc_failed", lambda: slots.to(torch.int64).pin_memory())
+            else:
+                src = slots
+            out = _cuda_call("alloc_failed", torch.empty, slots.numel(), dtype=torch.int64,
+                             device=self.device)
+            _cuda_call("copy_failed", out.copy_, src, True)
+            copied = torch.cuda.Event()
+            copied.record(s0)
+        for s in self.streams:  # a scatter on either stream reads them after the copy
+            if s is not s0:
+                s.wait_event(copied)
+                out.record_stream(s)
+        return out
+
+    def _load(self, layout, chunks, pool, slots, skip, from_segment, before_scatter=None):
         n = len(chunks)
         ks, vs = list(pool.k_buffer), list(pool.v_buffer)
         seg = self.segment if from_segment else None
@@ -281,16 +314,11 @@ class GpuTransfer:
         c = layout.chunk_size
         bounds = _pieces(n, self.pieces if from_segment else max(
             self.pieces, -(-n * layout.chunk_bytes // PICKLE_PIECE_BYTES)))
-        s0 = self.streams[0]
-        with self._stream_ctx(s0):  # our own copy: the caller may free its slots tensor
-            slots_dev = _cuda_call("alloc_failed", torch.empty, slots.numel(),
-                                   dtype=torch.int64, device=self.device)
-            _cuda_call("copy_failed", slots_dev.copy_, slots)
-        if self.cuda:
-            slots_dev.record_stream(self.streams[1])
+        slots_dev = None
         table = self._table(ks, vs) if self._kernel is not None else None
         for p, (j0, j1) in enumerate(bounds):
-            s = self.streams[p % 2]
+            s = self.streams[self._turn % 2]
+            self._turn += 1
             with self._stream_ctx(s):
                 stage = _cuda_call("alloc_failed", torch.empty, (j1 - j0, *layout.chunk_shape),
                                    dtype=layout.dtype, device=self.device)
@@ -298,6 +326,11 @@ class GpuTransfer:
                 if not from_segment:
                     src = self._through_pinned(layout, src, p)
                 _cuda_call("copy_failed", _copy_chunks, stage, src, self.cuda)
+            if slots_dev is None:  # the first copy is on its way: the rest overlaps it
+                if before_scatter is not None:
+                    before_scatter()
+                slots_dev = self._slots_on_device(slots)
+            with self._stream_ctx(s):
                 if not from_segment and self.cuda:
                     ev = torch.cuda.Event()
                     ev.record(s)

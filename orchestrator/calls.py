@@ -49,6 +49,7 @@ class Prefix:
     retrieve_from: int = 0        # chunk-aligned start of the range to retrieve
     reason: R | None = None
     attempts: int = 0
+    prepared: object | None = None  # connector's Prepared of [retrieve_from, hit), until used
 
     @property
     def request_id(self) -> str:
@@ -154,18 +155,53 @@ class PrefixCalls:
         self.breaker.record(True)
         return got, None, None
 
+    def prepare(self, p: Prefix, timeout_s: float) -> tuple[bool, R | None]:
+        """Match time, shared memory only: prepare_retrieve of [retrieve_from, hit) now, so
+        the load pays no round trip. (True, None) when prepared or not applicable; on a
+        failure (False, reason): the caller degrades the prefix."""
+        prepare = getattr(self.connector, "prepare", None)
+        if prepare is None or getattr(self.connector, "transfer", None) != "shm":
+            return True, None
+        k, epoch = p.key, self.connector.epoch
+        try:
+            p.prepared = prepare(k.token_ids, k.request_id, start=p.retrieve_from,
+                                 end=p.hit_tokens, timeout_s=timeout_s,
+                                 cache_salt=k.cache_salt)
+        except ConnectorError as exc:
+            self._owe_commit(p, exc.owed, None, epoch)
+            if exc.locks_settled or not isinstance(exc, (DaemonUnavailable, DaemonRejected)):
+                p.lease.forfeit()
+            return False, self.failed("retrieve", exc, k.request_id)
+        p.lease.forfeit()  # the prepared transfer holds the locks now; its commit frees them
+        self.breaker.record(True)
+        return True, None
+
+    def drop_prepared(self, p: Prefix) -> None:
+        """The prefix ends without loading what it prepared: release it on the daemon."""
+        prepared, p.prepared = p.prepared, None
+        if prepared is not None:
+            self._owe_commit(p, prepared.commit, None, prepared.epoch)
+
     def _send_retrieve(self, p: Prefix, slots, start: int, end: int,
                        timeout_s: float) -> Retrieved:
         """One RETRIEVE. Once it returns, the load has landed (every byte in the slots, or
         once `ready` completes): its commit becomes a release owed off the request path."""
         k, epoch = p.key, self.connector.epoch
+        prepared, p.prepared = p.prepared, None  # used once, whatever happens
+        kw = {} if prepared is None else {"prepared": prepared}
+        if prepared is not None:
+            epoch = prepared.epoch
         try:
             got = self.connector.retrieve_into(
                 k.token_ids, k.request_id, self.kv_pool, slots, start=start, end=end,
-                timeout_s=timeout_s, skip=p.local_tokens - start, cache_salt=k.cache_salt)
+                timeout_s=timeout_s, skip=p.local_tokens - start, cache_salt=k.cache_salt,
+                **kw)
+        except SlotsError as exc:
+            self._owe_commit(p, exc.owed, None, epoch)
+            raise
         except ConnectorError as exc:
             self._owe_commit(p, exc.owed, None, epoch)
-            if not isinstance(exc, (DaemonUnavailable, DaemonRejected)):
+            if exc.locks_settled or not isinstance(exc, (DaemonUnavailable, DaemonRejected)):
                 p.lease.forfeit()  # prepare_retrieve reached the daemon, which releases them
             raise
         p.lease.forfeit()  # the answered prepare_retrieve took the locks over

@@ -115,6 +115,8 @@ class LoadBackConfig(_Section):
                                  description="the daemon's --host, e.g. 127.0.0.1")] = "127.0.0.1"
     mp_port: Annotated[int, Meta(ge=1, le=65535, description="the daemon's --port")] = 5555
     transfer: Literal["auto", "pickle", "shm"] = "auto"  # auto: shm when the daemon offers a pool
+    # shm: prepare_retrieve at match (under the retrieve deadline), so load_back only copies
+    prepare_at_match: bool = True
     model_name: str = "loadback"
     chunk_size: Annotated[int, Meta(gt=0, description="must equal the daemon's --chunk-size")] = 256
     deadlines: Deadlines = Deadlines()

@@ -127,6 +127,13 @@ class LoadBackOrchestrator:
         p.retrieve_from = local_hit_tokens // chunk * chunk
         self.calls.free(p, 0, p.retrieve_from)
         self._fire(p, "mark")
+        if self.config.prepare_at_match:
+            # Shared memory: take the retrieve's round trip now (on the thread that runs
+            # match), so load_back only copies. It runs under the retrieve deadline.
+            ok, why = self.calls.prepare(
+                p, self.config.deadlines.retrieve_s(p.promised_tokens))
+            if not self.tp.min(int(ok)):
+                self._finish_degraded(p, why or R.TP_PEER_FAILED)
         return self._match_result(p)
 
     # -------------------------------------------------------------- load_back
@@ -284,6 +291,7 @@ class LoadBackOrchestrator:
                 self.metrics.live_delta(dst, +1)
 
     def _finish_degraded(self, p: Prefix, reason: DegradeReason) -> None:
+        self.calls.drop_prepared(p)
         held = p.lease.held
         if held:
             self.calls.free(p, *held)

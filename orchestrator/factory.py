@@ -28,7 +28,9 @@ def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, me
     connector = LMCacheMPConnector(
         endpoint, layout, model_name=config.model_name, world_size=world_size,
         kv_rank=kv_rank, transfer=config.transfer,
-        connect_timeout_s=config.deadlines.connect_ms / 1000)
+        connect_timeout_s=config.deadlines.connect_ms / 1000,
+        # a CUDA pool: page-lock the daemon's segment at registration, not at the first load
+        device=_pool_device(kv_pool))
     orch = LoadBackOrchestrator(config, connector, metrics=metrics, tp_group=tp_group,
                                 kv_pool=kv_pool)
     if owned is not None:
@@ -41,3 +43,11 @@ def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, me
         orch.metrics_server = server
         orch.on_close(server.close)
     return orch
+
+
+def _pool_device(kv_pool):
+    try:
+        dev = kv_pool.k_buffer[0].device
+    except (AttributeError, IndexError, TypeError):
+        return None
+    return dev if dev.type == "cuda" else None

@@ -170,3 +170,31 @@ def test_daemon_killed_mid_copy_cannot_unmap_the_segment(conns):
                    zip(_rows(dst, slots), _rows(src, torch.arange(n))))
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("slots_on", ["cuda", "cpu"])
+@pytest.mark.parametrize("how", ["prepared", "pieces"])
+def test_prepared_and_pipelined_loads_are_byte_exact(how, slots_on, shm_daemon, conns):
+    """prepare at match then copy only; or the load's own prepare_retrieve calls in pieces
+    ([2, 4, 3] chunks: each piece's copy overlaps the next round trip). Slots from the
+    device (SGLang's allocator) or the host (through page-locked staging)."""
+    lay = _layout()
+    conn = conns(shm_daemon, lay)
+    n_tok, skip = 9 * CHUNK, 3
+    conn.force_pieces = lambda k: [2, 4, 3]  # the plan pipelines only longer prefixes
+    src, dst = _pool(lay), _pool(lay, fill=False)
+    toks = torch.randint(1, 30000, (n_tok,)).tolist()
+    stored = torch.randperm(2048)[:n_tok].to(DEV)
+    assert conn.store_from(toks, f"s-{how}-{slots_on}", src, stored, timeout_s=T)
+    rid = f"r-{how}-{slots_on}"
+    assert conn.lookup_hit_tokens(toks, rid, T) == n_tok
+    kw = {}
+    if how == "prepared":
+        kw["prepared"] = conn.prepare(toks, rid, start=0, end=n_tok, timeout_s=T)
+    slots = torch.randperm(2048)[:n_tok - skip].to(slots_on)
+    r = conn.retrieve_into(toks, rid, dst, slots, start=0, end=n_tok, timeout_s=T, skip=skip,
+                           **kw)
+    torch.cuda.current_stream().wait_event(r.ready)
+    assert all(torch.equal(a, b) for a, b in zip(_rows(dst, slots), _rows(src, stored[skip:])))
+    r.commit(T)
+    conn.end_session(rid, T)

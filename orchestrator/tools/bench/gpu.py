@@ -4,7 +4,11 @@ KV of a Llama-8B-like model: 32 layers x 8 KV heads x 128 x K,V x bf16 = 128 KiB
 chunk 256, prefixes of 1k, 4k, 16k and 64k tokens into random slots of a CUDA pool. Two real
 lmcache 0.5.6 daemons: one with `--shm-name NAME --no-l1-use-lazy`, one without (pickle).
 Contenders, timed per sample from after the lookup until the bytes are in the slots:
-  ours-shm     retrieve_into through the daemon's page-locked segment, then `ready` waited
+  ours-shm     the product's default: prepare_retrieve in the match phase (prepare_at_match),
+               then retrieve_into(prepared=) through the daemon's page-locked segment, then
+               `ready` waited (the match phase, lookup + prepare, is timed apart)
+  ours-shm-cold  no early prepare: the load sends its own prepare_retrieve calls, pipelined
+               in pieces (the copy of one overlaps the next round trip)
   ours-pickle  retrieve_into on the pickle daemon (decode -> pinned staging -> device)
   copy         a pinned host-to-device torch copy of the same bytes (the link limit)
   lmcache      LMCache's own SGLang MP connector on the shm daemon: lmcache_driven RETRIEVE
@@ -46,7 +50,7 @@ T = 120.0  # per-operation timeout, seconds
 MODEL = "loadback-gpu"
 LAYOUT = KVLayout(num_layers=32, num_heads=8, head_dim=128, dtype=torch.bfloat16,
                   chunk_size=CHUNK)
-NAMES = ("ours-shm", "ours-pickle", "copy", "lmcache")
+NAMES = ("ours-shm", "ours-shm-cold", "ours-pickle", "copy", "lmcache")
 #: Timed samples per size after WARMUP; the pickle path is slow at 64k, so fewer there.
 SAMPLES = {1024: 40, 4096: 25, 16384: 8, 65536: 4}
 PICKLE_SAMPLES = {1024: 3, 4096: 2, 16384: 1, 65536: 0}  # seconds each; its proof warms it
@@ -64,23 +68,39 @@ def _sync(dev: torch.device) -> None:
 
 
 class Ours:
-    def __init__(self, endpoint: str, dev: torch.device, expect: str) -> None:
+    """`early`: the product's default on shared memory (prepare_at_match): prepare_retrieve
+    runs in the match phase, after the lookup, and the timed load only copies; without it
+    the load sends its own prepare_retrieve calls, pipelined in pieces (`piece_plan`)."""
+
+    def __init__(self, endpoint: str, dev: torch.device, expect: str, *,
+                 early: bool = False) -> None:
         self.conn = LMCacheMPConnector(endpoint, LAYOUT, model_name=MODEL, device=dev)
         self.conn.register(T)
         assert self.conn.transfer == expect, f"auto chose {self.conn.transfer}, want {expect}"
         self.phases: list[float] = []
+        self.match_s: list[float] = []
+        self.early = early
+        self.prepared = None
         gpu = self.conn._gpu
         self.note = (f"{expect}, scatter {gpu.scatter_impl}" if gpu is not None
                      else f"{expect}, CPU pool")
+        self.note += ", prepare at match" if early else (
+            ", pieces in the load" if expect == "shm" else "")
 
     def lookup(self, toks, rid, n) -> None:
+        t0 = time.perf_counter()
         hit = self.conn.lookup_hit_tokens(toks, rid, T)
         assert hit == n, f"ours: {hit} of {n} tokens hit"
+        if self.early:
+            self.prepared = self.conn.prepare(toks, rid, start=0, end=n, timeout_s=T)
+        self.match_s.append(time.perf_counter() - t0)
 
     def load(self, toks, rid, pool, slots, n, skip=0):
         t0 = time.perf_counter()
+        prepared, self.prepared = self.prepared, None
+        kw = {"prepared": prepared} if prepared is not None else {}
         r = self.conn.retrieve_into(toks, rid, pool, slots, start=0, end=n, timeout_s=T,
-                                    skip=skip)
+                                    skip=skip, **kw)
         self.returned_s = time.perf_counter() - t0  # prepare_retrieve RPC + queueing
         if r.ready is not None:
             r.ready.synchronize()
@@ -155,6 +175,7 @@ class LMCache:
         self.toks = list(toks)
         self.StoreMetadata = StoreMetadata
         self.note = f"lmcache_driven RETRIEVE, CUDA IPC, page {page}"
+        self.match_s: list[float] = []
 
     def store(self) -> None:
         self.conn.store_kv(self.StoreMetadata(last_node=None, token_ids=self.toks,
@@ -163,7 +184,9 @@ class LMCache:
 
     def run(self, toks, rid, pool, slots, n) -> float:
         toks = self.toks[:n]
+        t0 = time.perf_counter()
         hit = self.conn.lookup_kv(list(toks), rid)
+        self.match_s.append(time.perf_counter() - t0)
         assert hit == n, f"lmcache: {hit} of {n} tokens hit"
         _sync(self.dev)
         t0 = time.perf_counter()
@@ -281,12 +304,16 @@ def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 
         stored = torch.randperm(pool_slots, generator=g)[:top].to(dev)
         perm = torch.randperm(pool_slots, generator=g)[:top]
         contenders, notes, store_s = {}, {}, {}
-        for name, d, expect in (("ours-shm", d_shm, "shm"), ("ours-pickle", d_pickle, "pickle")):
+        for name, d, expect, early in (("ours-shm", d_shm, "shm", True),
+                                       ("ours-shm-cold", d_shm, "shm", False),
+                                       ("ours-pickle", d_pickle, "pickle", False)):
             t0 = time.perf_counter()
-            c = contenders[name] = Ours(d.endpoint, dev, expect)
+            c = contenders[name] = Ours(d.endpoint, dev, expect, early=early)
             closers.append(c.close)
             print(f"{name}: registered in {time.perf_counter() - t0:.2f} s ({c.note})",
                   flush=True)
+            if name == "ours-shm-cold":
+                continue  # the same daemon and prefix as ours-shm
             t0 = time.perf_counter()
             m = top if expect == "shm" else ptop
             assert c.conn.store_from(toks[:m], f"store-{name}", src, stored[:m], timeout_s=T)
@@ -335,8 +362,15 @@ def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 
                   flush=True)
             times = _bench_size(n, contenders, toks, dst, perm, samples)
             rows.append(_row(n, times))
-            rows[-1]["ours_shm_returned_ms"] = median(contenders["ours-shm"].phases) * 1e3
-            contenders["ours-shm"].phases.clear()
+            for k in ("ours-shm", "ours-shm-cold"):
+                rows[-1][k.replace("-", "_") + "_returned_ms"] = median(
+                    contenders[k].phases) * 1e3
+                contenders[k].phases.clear()
+            rows[-1]["match_ms"] = {k: median(c.match_s) * 1e3 for k, c in contenders.items()
+                                    if getattr(c, "match_s", None)}
+            for c in contenders.values():
+                if getattr(c, "match_s", None):
+                    c.match_s.clear()
             if partial is not None:  # a run cut short still leaves its figures
                 partial({"partial": True, "rows": rows, "proof": proofs, "store_s": store_s})
             print(f"{n} tokens: " + ", ".join(
@@ -366,54 +400,97 @@ def _row(n, times) -> dict:
            "median_ms": ms, "gbps": {k: nb / (v / 1e3) / 1e9 for k, v in ms.items()},
            "samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in times.items()},
            "ours_over_copy": ms["copy"] / ms["ours-shm"]}
+    if "ours-shm-cold" in ms:
+        row["cold_over_copy"] = ms["copy"] / ms["ours-shm-cold"]
     if "ours-pickle" in ms:
         row["pickle_over_copy"] = ms["copy"] / ms["ours-pickle"]
     for k in ("lmcache", "lmcache-p256"):
         if k in ms:
             row[f"ours_over_{k}"] = ms[k] / ms["ours-shm"]
             row[f"{k}_over_copy"] = ms["copy"] / ms[k]
+            if "ours-shm-cold" in ms:
+                row[f"cold_over_{k}"] = ms[k] / ms["ours-shm-cold"]
     return row
+
+
+def _end_to_end(rows) -> None:
+    """Match (lookup, plus prepare_retrieve where it moved there) + load, per contender: what
+    moving the round trip into the match phase costs there."""
+    for r in rows:
+        m = r.get("match_ms", {})
+        r["match_plus_load_ms"] = {k: m[k] + r["median_ms"][k] for k in m
+                                   if k in r["median_ms"]}
+        e = r["match_plus_load_ms"]
+        for k in ("lmcache", "lmcache-p256"):
+            if k in e and "ours-shm" in e:
+                r[f"e2e_ours_over_{k}"] = e[k] / e["ours-shm"]
 
 
 def _report(rows, notes, dev) -> dict:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    _end_to_end(rows)
     print(f"\nloadback bench gpu: {name}, KV 32 layers x 8 heads x 128 x K,V bf16 "
           f"({LAYOUT.bytes_per_token // 1024} KiB/token), chunk {CHUNK}, random slots; "
-          "median ms (GB/s); ratio = bytes/s over the pinned copy's")
+          "load: median ms (GB/s) from after the match phase until the bytes are in the "
+          "slots; ratio = bytes/s over the pinned copy's")
     heads = ["contender"] + [(f"{r['tokens'] // 1024}k" if r["tokens"] % 1024 == 0
                               else str(r["tokens"])) + " tok" for r in rows]
     body = [[f"{k} ({notes[k]})"] + [f"{fmt(r['median_ms'][k])} ({fmt(r['gbps'][k], 1)})"
                                      if k in r["median_ms"] else "-" for r in rows]
             for k in notes]
     body.append(["ours-shm / copy"] + [fmt(r["ours_over_copy"], 3) for r in rows])
+    body.append(["ours-shm-cold / copy"] + [fmt(r.get("cold_over_copy"), 3) for r in rows])
     body.append(["ours-pickle / copy"] + [fmt(r.get("pickle_over_copy"), 3) for r in rows])
     for k in ("lmcache", "lmcache-p256"):
         if k in notes:
             body.append([f"{k} / copy"] + [fmt(r.get(f"{k}_over_copy"), 3) for r in rows])
             body.append([f"ours-shm / {k} (speed)"] + [fmt(r.get(f"ours_over_{k}"), 3)
                                                       for r in rows])
-    body.append(["ours-shm: retrieve_into returned (ms)"] + [
-        fmt(r.get("ours_shm_returned_ms")) for r in rows])
+            body.append([f"ours-shm-cold / {k} (speed)"] + [
+                fmt(r.get(f"cold_over_{k}"), 3) for r in rows])
+    for k in ("ours-shm", "ours-shm-cold", "lmcache", "lmcache-p256"):
+        if k in notes:
+            body.append([f"match phase ms: {k}"] + [fmt(r.get("match_ms", {}).get(k))
+                                                    for r in rows])
+    for k in ("lmcache", "lmcache-p256"):
+        if k in notes:
+            body.append([f"match+load, ours-shm / {k} (speed)"] + [
+                fmt(r.get(f"e2e_ours_over_{k}"), 3) for r in rows])
+    for k in ("ours-shm", "ours-shm-cold"):
+        body.append([f"{k}: retrieve_into returned (ms)"] + [
+            fmt(r.get(k.replace("-", "_") + "_returned_ms")) for r in rows])
     body.append(["samples (shm/pickle)"] + [f"{r['samples']['ours-shm']}/"
                                             f"{r['samples'].get('ours-pickle', 0)}"
                                             for r in rows])
     print_table(heads, body)
     big = [r for r in rows if r["tokens"] >= 4096]
     one_k = [r for r in rows if r["tokens"] == 1024]
-    out = {"p7_ratio": min((r["ours_over_copy"] for r in big), default=None),
+
+    def worst(key, among):
+        return min((r[key] for r in among if key in r), default=None)
+
+    def worst_lmc(prefix):  # over sizes and both LMCache configurations (page 1, page 256)
+        return min((r[f"{prefix}_{k}"] for r in rows for k in ("lmcache", "lmcache-p256")
+                    if f"{prefix}_{k}" in r), default=None)
+
+    out = {"p7_ratio": worst("ours_over_copy", big),
            "p7_ratio_1k": one_k[0]["ours_over_copy"] if one_k else None,
-           # worst over sizes and over both LMCache configurations (page 1 and page 256)
-           "p7_vs_lmcache": min((r[k] for r in rows for k in
-                                 ("ours_over_lmcache", "ours_over_lmcache-p256") if k in r),
-                                default=None),
-           "p7_vs_lmcache_page1": min((r["ours_over_lmcache"] for r in rows
-                                       if "ours_over_lmcache" in r), default=None)}
+           "p7_vs_lmcache": worst_lmc("ours_over"),
+           "p7_vs_lmcache_page1": worst("ours_over_lmcache", rows),
+           # the same figures for a load that sends its own prepare_retrieve (no early
+           # prepare), and for match + load together
+           "cold_p7_ratio": worst("cold_over_copy", big),
+           "cold_p7_ratio_1k": one_k[0].get("cold_over_copy") if one_k else None,
+           "cold_p7_vs_lmcache": worst_lmc("cold_over"),
+           "e2e_p7_vs_lmcache": worst_lmc("e2e_ours_over")}
     met = {k: (out[k] is not None and out[k] >= TARGETS[k]) for k in TARGETS}
     print()
     for k in TARGETS:
         v = out[k]
         print(f"{k:<15} = {fmt(v, 3):>7}   target >= {TARGETS[k]}   "
               f"{'MET' if met[k] else 'NOT MET'}")
+    for k in ("cold_p7_ratio", "cold_p7_ratio_1k", "cold_p7_vs_lmcache", "e2e_p7_vs_lmcache"):
+        print(f"{k:<19} = {fmt(out[k], 3):>7}")
     return {**out, "targets": {k: f">= {v}" for k, v in TARGETS.items()}, "targets_met": met,
             "device": name, "torch": torch.__version__, "layout": {
                 "layers": LAYOUT.num_layers, "kv_heads": LAYOUT.num_heads,
