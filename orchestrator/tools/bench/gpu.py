@@ -375,7 +375,6 @@ def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 
                 partial({"partial": True, "rows": rows, "proof": proofs, "store_s": store_s})
             print(f"{n} tokens: " + ", ".join(
                 f"{k} {v:.2f} ms" for k, v in rows[-1]["median_ms"].items()), flush=True)
-        notes = {k: c.note for k, c in contenders.items()}
         result = _report(rows, notes, dev)
         result["lmcache_error"] = lmc_error
         result["pickle_max_tokens"] = PICKLE_MAX_TOKENS
