@@ -177,6 +177,11 @@ class LoadbackMetrics:
                                       "Releases owed to a daemon that has since restarted, "
                                       "dropped unsent (the new daemon never held them).",
                                       registry=reg)
+        self.prepared_expired_total = Counter(
+            "loadback_prepared_expired_total",
+            "Ranges prepared at match that waited past prepare_max_age_ms for their load: "
+            "released and asked for again, never copied (the daemon's read TTL).",
+            registry=reg)
         # livemin: a rank still on an old config shows as the lower generation.
         self.config_gen = Gauge("loadback_config_generation", "Generation of the config in effect.",
                                 registry=reg, multiprocess_mode="livemin")
@@ -284,6 +289,9 @@ class LoadbackMetrics:
 
     def stale_release_dropped(self, n: int = 1) -> None:
         self.stale_releases.inc(n)
+
+    def prepared_expired(self) -> None:
+        self.prepared_expired_total.inc()
 
     def config_generation(self, n: int) -> None:
         self.config_gen.set(n)

@@ -50,6 +50,7 @@ class Prefix:
     reason: R | None = None
     attempts: int = 0
     prepared: object | None = None  # connector's Prepared of [retrieve_from, hit), until used
+    prepared_at: float = 0.0        # when it was prepared (the orchestrator's clock)
 
     @property
     def request_id(self) -> str:
@@ -120,13 +121,23 @@ class PrefixCalls:
         deadline = self.clock() + budget_s
         start, end = p.retrieve_from, p.hit_tokens
         failed: list[BaseException] = []  # this load_back's failed attempts
+        relookup = [False]
+        if p.prepared is not None and (self.clock() - p.prepared_at
+                                       > self.link.config.prepare_max_age_ms / 1000):
+            # Past the daemon's read-lock TTL it may evict and reuse what it prepared:
+            # never copy from it. Release it and ask again.
+            self.drop_prepared(p)
+            self.metrics.prepared_expired()
+            relookup[0] = True
 
         def attempt() -> Retrieved:
             left = deadline - self.clock()
             if left <= 0:
                 raise DaemonTimeout("retrieve", budget_s)
-            if p.attempts > 0 and not isinstance(failed[-1], DaemonUnavailable):
+            if relookup[0] or (p.attempts > 0 and not isinstance(failed[-1],
+                                                                 DaemonUnavailable)):
                 # A lost reply may have consumed the locks: look up again first.
+                relookup[0] = False
                 hit = self._send_lookup(p, left)
                 if hit < end:
                     self.free(p, 0, hit)
@@ -172,6 +183,7 @@ class PrefixCalls:
             if exc.locks_settled or not isinstance(exc, (DaemonUnavailable, DaemonRejected)):
                 p.lease.forfeit()
             return False, self.failed("retrieve", exc, k.request_id)
+        p.prepared_at = self.clock()
         p.lease.forfeit()  # the prepared transfer holds the locks now; its commit frees them
         self.breaker.record(True)
         return True, None

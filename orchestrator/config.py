@@ -117,6 +117,9 @@ class LoadBackConfig(_Section):
     transfer: Literal["auto", "pickle", "shm"] = "auto"  # auto: shm when the daemon offers a pool
     # shm: prepare_retrieve at match (under the retrieve deadline), so load_back only copies
     prepare_at_match: bool = True
+    # a prepared range older than this is released and asked for again, never copied: keep it
+    # well under the daemon's --l1-read-ttl-seconds (300 s by default)
+    prepare_max_age_ms: _ms("milliseconds, under the daemon's read-lock TTL") = 60000.0
     model_name: str = "loadback"
     chunk_size: Annotated[int, Meta(gt=0, description="must equal the daemon's --chunk-size")] = 256
     deadlines: Deadlines = Deadlines()

@@ -47,6 +47,8 @@ class PrefetchHooks:
         p = Promise(self._next_id(handle), ids, salt, device_len, relookups=relookups,
                      key=RadixKey(array("q", ids), key.extra_key, cache_salt=key.cache_salt))
         budget = self.config.deadlines.lookup_ms / 1000
+        if self.config.prepare_at_match:  # match may also prepare the retrieve (shm)
+            budget += self.config.deadlines.retrieve_s(len(ids) - device_len)
         job = Lookup(p, deadline=time.monotonic() + budget + 0.05)
         self._lookups[handle] = job
         self._worker.submit(job)

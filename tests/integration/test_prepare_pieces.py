@@ -254,3 +254,32 @@ def test_a_daemon_restart_between_match_and_load_back_degrades(shm_daemon, layou
         assert _settle_orch(orch, shm_daemon)["read_locks"] == 0
     finally:
         orch.close()
+
+
+def test_a_prepared_range_past_its_age_is_released_and_asked_for_again(shm_daemon, layout):
+    """The daemon's read locks have a TTL: after it, what prepare_retrieve pointed at may be
+    evicted and its memory reused. A range older than prepare_max_age_ms is never copied:
+    it is released, looked up and prepared again, and still loads byte-exact."""
+    pool = make_pool(layout, 2048)
+    orch = _orch(shm_daemon, layout, pool, prepare_max_age_ms=30)
+    try:
+        n = 2 * CHUNK
+        toks = _tokens(n, 50)
+        src = torch.arange(n)
+        assert orch.store("s", toks, src)
+        orch.finish("s")
+        assert orch.match("r", toks).tokens == n
+        time.sleep(0.06)
+        sent = []
+        real = orch.connector._call
+        orch.connector._call = lambda op, *a, **k: (sent.append(op), real(op, *a, **k))[1]
+        dst = torch.arange(1024, 1024 + n)
+        res = orch.load_back("r", dst)
+        assert res.state is PrefixState.LOADED and res.loaded_tokens == n
+        assert sent.count("lookup") == 1 and sent.count("prepare_retrieve") == 1
+        assert same_kv(kv_of(pool, dst), kv_of(pool, src))
+        assert orch.metrics.snapshot().get("loadback_prepared_expired_total") == 1
+        orch.finish("r")
+        assert _settle_orch(orch, shm_daemon)["read_locks"] == 0
+    finally:
+        orch.close()
