@@ -44,6 +44,7 @@ DURATION_BUCKETS: tuple[float, ...] = (
 )
 LOOKUP_RESULTS: tuple[str, ...] = ("hit", "miss", "error", "skipped")
 BREAKER_STATES: dict[str, int] = {"closed": 0, "half_open": 1, "open": 2}
+TRANSFER_MODES: tuple[str, ...] = ("shm", "pickle")
 OUTCOME_STATES: tuple[str, ...] = ("loaded", "degraded")
 LOADED_REASON = "none"
 
@@ -177,6 +178,11 @@ class LoadbackMetrics:
                                       "Releases owed to a daemon that has since restarted, "
                                       "dropped unsent (the new daemon never held them).",
                                       registry=reg)
+        g_transfer = Gauge("loadback_transfer_mode",
+                           "1 for the transfer the last registration chose (transfer auto: shm "
+                           "when the daemon offers a shared-memory pool, else pickle).",
+                           ["mode"], registry=reg, multiprocess_mode="livemax")
+        self._transfer = {m: g_transfer.labels(mode=m) for m in TRANSFER_MODES}
         self.prepared_expired_total = Counter(
             "loadback_prepared_expired_total",
             "Ranges prepared at match that waited past prepare_max_age_ms for their load: "
@@ -292,6 +298,13 @@ class LoadbackMetrics:
 
     def prepared_expired(self) -> None:
         self.prepared_expired_total.inc()
+
+    def transfer_mode(self, mode: str) -> None:
+        """Set at every registration: the chosen mode 1, the others 0."""
+        if mode not in self._transfer:
+            raise _unknown("transfer mode", mode, TRANSFER_MODES)
+        for m, g in self._transfer.items():
+            g.set(1 if m == mode else 0)
 
     def config_generation(self, n: int) -> None:
         self.config_gen.set(n)

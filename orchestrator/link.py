@@ -24,6 +24,7 @@ from typing import Callable
 from connectors.base import Connector
 from connectors.errors import ConnectorError, DaemonUnavailable, VersionSkew
 from metrics import LoadbackMetrics
+from metrics.instruments import TRANSFER_MODES
 
 from .config import LoadBackConfig
 from .policies import BreakerState, CircuitBreaker
@@ -221,6 +222,9 @@ class DaemonLink:
                 if self.registered_epoch is not None and epoch != self.registered_epoch:
                     self.metrics.reregistered()
                 self.registered_epoch = epoch
+                mode = getattr(self.connector, "transfer", None)
+                if mode in TRANSFER_MODES:  # auto decides again at every registration
+                    self.metrics.transfer_mode(mode)
             else:
                 self.connector.ping(self.control_s)
         except ConnectorError as exc:

@@ -283,3 +283,21 @@ def test_a_prepared_range_past_its_age_is_released_and_asked_for_again(shm_daemo
         assert _settle_orch(orch, shm_daemon)["read_locks"] == 0
     finally:
         orch.close()
+
+
+def test_the_transfer_chosen_at_registration_is_a_metric_label(shm_daemon, live_daemon, layout):
+    """transfer auto: shm where the daemon offers a pool, pickle where it does not; the
+    choice is made at every registration and exported as loadback_transfer_mode{mode}."""
+    for d, want in ((shm_daemon, "shm"), (live_daemon, "pickle")):
+        cfg = LoadBackConfig.from_dict({"mp_port": d.port, "chunk_size": CHUNK,
+                                        "heartbeat": {"interval_ms": 50}})
+        conn = LMCacheMPConnector(d.endpoint, layout, transfer="auto")
+        orch = LoadBackOrchestrator(cfg, conn, kv_pool=make_pool(layout, 64))
+        try:
+            assert orch.wait_registered(10)
+            snap = orch.metrics.snapshot()
+            assert snap.get(f"loadback_transfer_mode{{mode={want}}}") == 1
+            other = "pickle" if want == "shm" else "shm"
+            assert snap.get(f"loadback_transfer_mode{{mode={other}}}") == 0
+        finally:
+            orch.close()
