@@ -207,9 +207,9 @@ class DaemonProcess:
         self._signal(signal.SIGCONT)
 
     def kill(self) -> None:
-        """SIGKILL and reap."""
+        """SIGKILL and reap. No SIGCONT first: SIGKILL ends a stopped process as it is, and a
+        paused daemon resumed even for an instant answers what is waiting in its sockets."""
         if self.proc and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
 
