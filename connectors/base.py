@@ -79,10 +79,16 @@ class Connector(Protocol):
                       *, start: int, end: int, timeout_s: float, skip: int = 0,
                       cache_salt: str = "") -> Retrieved:
         """load_back(): copy tokens [start + skip, end) into `slots` (len end-start-skip).
-        All or nothing: nothing is written unless every chunk arrived and checked out; a
-        raise means the slots hold nothing of this load. The commit is returned unsent
+        All or nothing: a return means every chunk arrived, checked out and landed (or
+        lands once `ready` completed); a raise means nothing of this load counts and
+        nothing is written after it (a load asked for in pieces may have written part of
+        the slots before failing: the engine recomputes them). The commit is returned unsent
         (`Retrieved.commit`); a ConnectorError raised after prepare_retrieve was answered
-        carries the daemon's owed release in `exc.owed` the same way."""
+        carries the daemon's owed release in `exc.owed` the same way.
+
+        Optional, where the connector has them (LMCacheMPConnector): `prepare(...)` sends
+        prepare_retrieve ahead and `retrieve_into(..., prepared=)` only copies; the
+        orchestrator uses them at match when the transfer is shm."""
 
     def store_from(self, token_ids: Sequence[int], request_id: str, pool, slots: torch.Tensor,
                    *, timeout_s: float, cache_salt: str = "") -> bool:
