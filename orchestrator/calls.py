@@ -179,9 +179,7 @@ class PrefixCalls:
                                  end=p.hit_tokens, timeout_s=timeout_s,
                                  cache_salt=k.cache_salt)
         except ConnectorError as exc:
-            self._owe_commit(p, exc.owed, None, epoch)
-            if exc.locks_settled or not isinstance(exc, (DaemonUnavailable, DaemonRejected)):
-                p.lease.forfeit()
+            self._after_failed_prepare(p, exc, epoch)
             return False, self.failed("retrieve", exc, k.request_id)
         p.prepared_at = self.clock()
         p.lease.forfeit()  # the prepared transfer holds the locks now; its commit frees them
@@ -212,13 +210,18 @@ class PrefixCalls:
             self._owe_commit(p, exc.owed, None, epoch)
             raise
         except ConnectorError as exc:
-            self._owe_commit(p, exc.owed, None, epoch)
-            if exc.locks_settled or not isinstance(exc, (DaemonUnavailable, DaemonRejected)):
-                p.lease.forfeit()  # prepare_retrieve reached the daemon, which releases them
+            self._after_failed_prepare(p, exc, epoch)
             raise
         p.lease.forfeit()  # the answered prepare_retrieve took the locks over
         self._owe_commit(p, got.commit, got.ready, epoch)
         return got
+
+    def _after_failed_prepare(self, p: Prefix, exc: ConnectorError, epoch: int) -> None:
+        """A call that sends prepare_retrieve failed: owe what it says is owed; unless it
+        never reached the daemon (or was refused), the locks are no longer ours to free."""
+        self._owe_commit(p, exc.owed, None, epoch)
+        if exc.locks_settled or not isinstance(exc, (DaemonUnavailable, DaemonRejected)):
+            p.lease.forfeit()  # prepare_retrieve reached the daemon, which releases them
 
     def _owe_commit(self, p: Prefix, commit, ready, epoch: int) -> None:
         if commit is not None:

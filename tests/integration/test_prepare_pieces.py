@@ -176,6 +176,22 @@ def _orch(d: DaemonProcess, layout, pool, **over) -> LoadBackOrchestrator:
     return orch
 
 
+def _stored(orch, toks) -> torch.Tensor:
+    """Store `toks` from the first slots of the pool through the orchestrator."""
+    src = torch.arange(len(toks))
+    assert orch.store("s", toks, src)
+    orch.finish("s")
+    return src
+
+
+def _spy_ops(orch) -> list[str]:
+    """The ops the connector sends from now on, in order."""
+    sent: list[str] = []
+    real = orch.connector._call
+    orch.connector._call = lambda op, *a, **k: (sent.append(op), real(op, *a, **k))[1]
+    return sent
+
+
 def _settle_orch(orch, d):
     end = time.monotonic() + 10
     while time.monotonic() < end and orch.pending_debts():
@@ -190,12 +206,8 @@ def test_match_prepares_and_load_back_only_copies(shm_daemon, layout, early):
     try:
         n = 4 * CHUNK
         toks = _tokens(n, 20 + early)
-        src = torch.arange(n)
-        assert orch.store("s", toks, src)
-        orch.finish("s")
-        sent = []
-        real = orch.connector._call
-        orch.connector._call = lambda op, *a, **k: (sent.append(op), real(op, *a, **k))[1]
+        src = _stored(orch, toks)
+        sent = _spy_ops(orch)
         m = orch.match("r", toks, local_hit_tokens=CHUNK + 3)
         assert m.tokens == n - CHUNK - 3
         assert ("prepare_retrieve" in sent) == early
@@ -217,8 +229,7 @@ def test_a_prepared_prefix_that_never_loads_releases_its_buffers(shm_daemon, lay
     orch = _orch(shm_daemon, layout, pool)
     try:
         toks = _tokens(3 * CHUNK, 30)
-        assert orch.store("s", toks, torch.arange(3 * CHUNK))
-        orch.finish("s")
+        _stored(orch, toks)
         assert orch.match("r", toks).tokens == 3 * CHUNK
         assert shm_daemon.held()["read_locks"] >= 3
         getattr(orch, end_with)("r")
@@ -235,8 +246,7 @@ def test_a_daemon_restart_between_match_and_load_back_degrades(shm_daemon, layou
     orch = _orch(shm_daemon, layout, pool)
     try:
         toks = _tokens(2 * CHUNK, 40)
-        assert orch.store("s", toks, torch.arange(2 * CHUNK))
-        orch.finish("s")
+        _stored(orch, toks)
         assert orch.match("r", toks).tokens == 2 * CHUNK
         shm_daemon.stop()
         shm_daemon.start()
@@ -265,14 +275,10 @@ def test_a_prepared_range_past_its_age_is_released_and_asked_for_again(shm_daemo
     try:
         n = 2 * CHUNK
         toks = _tokens(n, 50)
-        src = torch.arange(n)
-        assert orch.store("s", toks, src)
-        orch.finish("s")
+        src = _stored(orch, toks)
         assert orch.match("r", toks).tokens == n
         time.sleep(0.06)
-        sent = []
-        real = orch.connector._call
-        orch.connector._call = lambda op, *a, **k: (sent.append(op), real(op, *a, **k))[1]
+        sent = _spy_ops(orch)
         dst = torch.arange(1024, 1024 + n)
         res = orch.load_back("r", dst)
         assert res.state is PrefixState.LOADED and res.loaded_tokens == n

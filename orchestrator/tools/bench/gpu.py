@@ -50,7 +50,6 @@ T = 120.0  # per-operation timeout, seconds
 MODEL = "loadback-gpu"
 LAYOUT = KVLayout(num_layers=32, num_heads=8, head_dim=128, dtype=torch.bfloat16,
                   chunk_size=CHUNK)
-NAMES = ("ours-shm", "ours-shm-cold", "ours-pickle", "copy", "lmcache")
 #: Timed samples per size after WARMUP; the pickle path is slow at 64k, so fewer there.
 SAMPLES = {1024: 40, 4096: 25, 16384: 8, 65536: 4}
 PICKLE_SAMPLES = {1024: 3, 4096: 2, 16384: 1, 65536: 0}  # seconds each; its proof warms it
