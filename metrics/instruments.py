@@ -45,6 +45,8 @@ DURATION_BUCKETS: tuple[float, ...] = (
 LOOKUP_RESULTS: tuple[str, ...] = ("hit", "miss", "error", "skipped")
 BREAKER_STATES: dict[str, int] = {"closed": 0, "half_open": 1, "open": 2}
 TRANSFER_MODES: tuple[str, ...] = ("shm", "pickle")
+#: The releases the daemon can be owed (the `what` of loadback_releases_failed_total).
+RELEASES: tuple[str, ...] = ("free_locks", "settle_lookup", "commit_retrieve", "end_session")
 OUTCOME_STATES: tuple[str, ...] = ("loaded", "degraded")
 LOADED_REASON = "none"
 
@@ -183,6 +185,12 @@ class LoadbackMetrics:
                            "when the daemon offers a shared-memory pool, else pickle).",
                            ["mode"], registry=reg, multiprocess_mode="livemax")
         self._transfer = {m: g_transfer.labels(mode=m) for m in TRANSFER_MODES}
+        c_failed = Counter("loadback_releases_failed_total",
+                           "Releases owed to the daemon and given up unpaid: out of tries, or "
+                           "their check or call raised where a repeat is unsafe (the daemon "
+                           "keeps what they would have released until its TTL).",
+                           ["what"], registry=reg)
+        self._releases_failed = {w: c_failed.labels(what=w) for w in RELEASES}
         self.prepared_expired_total = Counter(
             "loadback_prepared_expired_total",
             "Ranges prepared at match that waited past prepare_max_age_ms for their load: "
@@ -295,6 +303,11 @@ class LoadbackMetrics:
 
     def stale_release_dropped(self, n: int = 1) -> None:
         self.stale_releases.inc(n)
+
+    def release_failed(self, what: str) -> None:
+        """Count one owed release given up unpaid (`what`: one of RELEASES)."""
+        children = self._releases_failed
+        (children.get(what) or _lookup(children, what, "release", _label)).inc()
 
     def prepared_expired(self) -> None:
         self.prepared_expired_total.inc()

@@ -11,6 +11,11 @@ Every debt is tied to the daemon incarnation it was incurred on: a daemon that r
 never saw those locks or sessions, and in lmcache 0.5.6 `free_lookup_locks` and a served
 `prepare_retrieve` create the session they name, so paying an old debt to a new daemon
 would leave it a session for a request it never served. Such debts are dropped, counted.
+
+A debt whose `run` or `ready` raises something no daemon failure explains (a CUDA error in
+`Event.query()`, a bug) never costs the other debts: it is warned about once, asked again
+while a repeat is safe, and given up after `max_tries`, counted in
+`loadback_releases_failed_total{what}` (the daemon keeps what it held until its TTL).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +36,17 @@ from .config import LoadBackConfig
 from .policies import BreakerState, CircuitBreaker
 
 log = logging.getLogger("loadback")
+
+#: While a debt waits only for its `ready` (a copy still reading the daemon's buffer), the
+#: releaser looks again after this long, doubling up to the max: the buffer is released
+#: milliseconds after the copy, not a heartbeat later. Nothing waiting: no polling at all.
+READY_POLL_MIN_S = 0.001
+READY_POLL_MAX_S = 0.016
+
+# What one try at a debt came to (`DaemonLink._step`).
+_PAID = "paid"    # settled: done, never to be repeated, or given up
+_WAIT = "wait"    # its `ready` is false: not tried, no try spent
+_LATER = "later"  # failed: tried again on a later pass
 
 
 @dataclass
@@ -52,6 +69,8 @@ class Debt:
     ready: Callable[[], bool] | None = None
     tries: int = 0
     max_tries: int = 20
+    #: Its run or ready raised unexpectedly and that was logged at WARNING (once a debt).
+    warned: bool = False
 
 
 class DaemonLink:
@@ -63,6 +82,7 @@ class DaemonLink:
         self.metrics = metrics
         self.registered_epoch: int | None = None
         self.stale_dropped = 0  # debts of an old daemon incarnation, never sent
+        self.given_up = 0  # debts out of tries (or unsafe to repeat), never paid
         self._suspect = threading.Event()  # a call went unanswered: re-register next tick
         self._skew_warned = float("-inf")  # when VersionSkew was last logged at WARNING
         self._debts: list[Debt] = []
@@ -128,8 +148,8 @@ class DaemonLink:
             return
         with self._lock:
             queued = any(d.request_id == request_id for d in self._debts)
-        if (queued or not self.breaker.allow() or (ready is not None and not ready())
-                or not self._attempt(debt, self.control_s, on_failure=self.breaker.record)):
+        if (queued or not self.breaker.allow()
+                or self._step(debt, self.control_s, on_failure=self.breaker.record) != _PAID):
             self._queue(debt)
 
     def pending(self, request_id: str | None = None) -> int:
@@ -150,12 +170,51 @@ class DaemonLink:
         self.metrics.stale_release_dropped()
         return True
 
-    @staticmethod
-    def _attempt(d: Debt, timeout_s: float, *, on_failure=None) -> bool:
+    def _step(self, d: Debt, timeout_s: float, *, on_failure=None) -> str:
+        """One try at `d` once its `ready` holds: _PAID, _WAIT (not ready) or _LATER. An
+        unexpected raise from `ready` or `run` is `_raised`'s to settle, never the caller's."""
+        if d.ready is not None:
+            try:
+                if not d.ready():
+                    return _WAIT
+            except Exception as exc:  # noqa: BLE001 - a bug or a CUDA error, not the daemon
+                # Is a copy still reading the buffer? Unknown: never pay on it; ask again.
+                return self._raised(d, "ready", exc, repeat=True)
+        return _PAID if self._attempt(d, timeout_s, on_failure=on_failure) else _LATER
+
+    def _raised(self, d: Debt, step: str, exc: Exception, *, repeat: bool) -> str:
+        """`d.<step>` raised `exc`: spend a try; _LATER while `repeat` and tries are left,
+        else give it up (_PAID: never paid, counted). One WARNING per debt."""
+        d.tries += 1
+        left = repeat and d.tries < d.max_tries
+        if not d.warned:
+            d.warned = True
+            log.warning("%s for %s: its %s raised %r; %s", d.what, d.request_id, step, exc,
+                        f"asked again, given up after {d.max_tries} tries" if left
+                        else "given up (the daemon keeps what it holds until its TTL)",
+                        exc_info=exc)
+        else:
+            log.debug("%s for %s: its %s raised %r (try %d of %d)", d.what, d.request_id,
+                      step, exc, d.tries, d.max_tries)
+        if left:
+            return _LATER
+        self._give_up(d)
+        return _PAID
+
+    def _give_up(self, d: Debt) -> None:
+        with self._lock:
+            self.given_up += 1
+        self.metrics.release_failed(d.what)
+        if not d.warned:
+            d.warned = True
+            log.warning("%s for %s given up after %d tries (the daemon keeps what it holds "
+                        "until its TTL)", d.what, d.request_id, d.tries)
+
+    def _attempt(self, d: Debt, timeout_s: float, *, on_failure=None) -> bool:
         """Run one debt; True when it is settled: done, possibly applied and so never to
-        be sent again (unless idempotent), or out of tries. A try is spent only on a call
-        the daemon got: one never sent waits (for the daemon, or its epoch to pass) for
-        free. `on_failure(False)` hears each failure."""
+        be sent again (unless idempotent), or out of tries (given up, counted). A try is
+        spent only on a call the daemon got: one never sent waits (for the daemon, or its
+        epoch to pass) for free. `on_failure(False)` hears each failure."""
         try:
             done = d.run(timeout_s) is not False
         except DaemonUnavailable:
@@ -170,31 +229,43 @@ class DaemonLink:
                           d.what, d.request_id, exc)
                 return True
             done = False
-        if not done:
-            d.tries += 1
-        return done or d.tries >= d.max_tries
+        except Exception as exc:  # noqa: BLE001 - a bug, not a daemon failure
+            # It may have reached the daemon: repeated only when that is harmless.
+            return self._raised(d, "run", exc, repeat=d.idempotent) == _PAID
+        if done:
+            return True
+        d.tries += 1
+        if d.tries < d.max_tries:
+            return False
+        self._give_up(d)
+        return True
 
-    def pay(self, timeout_s: float | None = None) -> None:
-        """Pay every owed release that can be paid now, in order per request."""
+    def pay(self, timeout_s: float | None = None) -> bool:
+        """Pay every owed release that can be paid now, in order per request. True when a
+        debt waits only for its `ready` (a copy in flight): look again soon."""
         timeout_s = self.control_s if timeout_s is None else timeout_s
         with self._pay_lock:
             with self._lock:
-                debts, self._debts = self._debts, []
+                todo, self._debts = deque(self._debts), []
             keep: list[Debt] = []
             blocked: set[str] = set()
-            for d in debts:
-                if d.request_id in blocked:
-                    keep.append(d)
-                elif self._stale(d):
-                    continue
-                elif d.ready is not None and not d.ready():
-                    keep.append(d)
-                    blocked.add(d.request_id)
-                elif not self._attempt(d, timeout_s):
-                    keep.append(d)
-                    blocked.add(d.request_id)
-            with self._lock:
-                self._debts = keep + self._debts
+            waiting = False
+            try:
+                while todo:
+                    d = todo[0]
+                    if d.request_id in blocked:
+                        keep.append(d)
+                    elif not self._stale(d):
+                        step = self._step(d, timeout_s)
+                        if step != _PAID:
+                            keep.append(d)
+                            blocked.add(d.request_id)
+                            waiting = waiting or step == _WAIT
+                    todo.popleft()
+            finally:  # even a bug in this loop loses no debt
+                with self._lock:
+                    self._debts = keep + list(todo) + self._debts
+            return waiting
 
     # ------------------------------------------------------------- heartbeat
 
@@ -263,15 +334,21 @@ class DaemonLink:
             self._wake.clear()
 
     def _releaser_loop(self) -> None:
-        """Pays what the daemon is owed as soon as it is queued, while the breaker allows."""
+        """Pays what the daemon is owed as soon as it is queued, while the breaker allows;
+        while a debt waits for its `ready`, looks again within milliseconds (backing off
+        from READY_POLL_MIN_S to READY_POLL_MAX_S), else at the heartbeat interval."""
+        poll = 0.0
         while not self._stop.is_set():
-            self._release_wake.wait(self.config.heartbeat.interval_ms / 1000)
+            interval = self.config.heartbeat.interval_ms / 1000
+            self._release_wake.wait(min(poll, interval) if poll else interval)
             self._release_wake.clear()
+            waiting = False
             if self.pending() and self.breaker.allow() and self.registered_epoch is not None:
                 try:
-                    self.pay()
+                    waiting = self.pay()
                 except Exception:  # the releaser must outlive any bug in one pass
                     log.exception("releasing owed daemon state failed")
+            poll = min(max(poll * 2, READY_POLL_MIN_S), READY_POLL_MAX_S) if waiting else 0.0
 
     def stop_threads(self) -> None:
         """Stop both threads; from here on, releases run inline."""
