@@ -67,8 +67,9 @@ class Connector(Protocol):
         the daemon holds read locks on those chunks for `request_id`."""
 
     def free_locks(self, token_ids: Sequence[int], request_id: str, start: int, end: int,
-                   timeout_s: float, *, cache_salt: str = "") -> None:
-        """Release the lookup's read locks on chunks [start, end)."""
+                   timeout_s: float, *, cache_salt: str = "", shard: bool = False) -> None:
+        """Release the lookup's read locks on chunks [start, end): every KV rank's share,
+        or with `shard` this rank's alone."""
 
     def settle_lookup(self, token_ids: Sequence[int], request_id: str, timeout_s: float,
                       *, cache_salt: str = "") -> bool:

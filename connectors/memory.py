@@ -145,7 +145,8 @@ class InMemoryConnector:
             raise exc
         return hit * self.chunk_size
 
-    def free_locks(self, token_ids, request_id, start, end, timeout_s, *, cache_salt=""):
+    def free_locks(self, token_ids, request_id, start, end, timeout_s, *, cache_salt="",
+                   shard=False):
         self._maybe_fail("free_locks")
         self._unlock(request_id, start // self.chunk_size, end // self.chunk_size)
 

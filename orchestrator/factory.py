@@ -38,7 +38,8 @@ def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, me
     if config.metrics.enabled:
         from metrics import start_metrics_server
 
-        server = start_metrics_server(config.metrics.host, config.metrics.port,
+        # One exposition server per KV rank: rank r serves on port + r.
+        server = start_metrics_server(config.metrics.host, config.metrics.port + kv_rank,
                                       registry=orch.metrics)
         orch.metrics_server = server
         orch.on_close(server.close)

@@ -37,6 +37,9 @@ class Lease:
     end: int = 0
     #: Something may have released the locks daemon-side: none of them is ours to free.
     forfeited: bool = False
+    #: Only this KV rank's shard of each chunk (a TP rank after its own prepare_retrieve
+    #: was asked for); otherwise every rank's, as the group's LOOKUP locked them.
+    shard: bool = False
 
     @property
     def held(self) -> tuple[int, int] | None:

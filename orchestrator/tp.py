@@ -1,13 +1,19 @@
 """One decision per prefix across tensor-parallel ranks.
 
 Every rank runs match/load_back for the same request in the same order (SGLang's
-scheduler is SPMD across TP ranks); each reduces its local answer with MIN over the TP
-group, so a rank that failed (-1, or 0 for success flags) makes every rank degrade.
+scheduler is SPMD across TP ranks) and makes the same collectives on every path. One rank,
+the leader (rank 0 of the group), sends the request's LOOKUP for the whole group, as the
+daemon expects (one prefetch job per request id; `worker_id=None` locks every rank's
+shard); `share` hands its answer to every rank in the same all-reduce that lets any rank
+veto it. Each rank then retrieves its own shard under its own `worker_id`.
 """
 
 from __future__ import annotations
 
 import torch
+
+#: What a rank that is not the leader contributes to `share` when it has no objection.
+_NO_OBJECTION = 2**62
 
 
 class TPAgreement:
@@ -15,6 +21,13 @@ class TPAgreement:
         self.group = group
         self.enabled = group is not None and torch.distributed.is_initialized() and \
             torch.distributed.get_world_size(group) > 1
+        self.size = torch.distributed.get_world_size(group) if self.enabled else 1
+        self.rank = torch.distributed.get_rank(group) if self.enabled else 0
+
+    @property
+    def leader(self) -> bool:
+        """This rank sends the group's LOOKUPs (and frees what they locked for all ranks)."""
+        return self.rank == 0
 
     def min(self, value: int) -> int:
         if not self.enabled:
@@ -22,3 +35,11 @@ class TPAgreement:
         t = torch.tensor([value], dtype=torch.int64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+    def share(self, value: int, *, ok: bool = True) -> int:
+        """The leader's `value` on every rank, or -1 when any rank says it cannot (`ok`
+        False, or the leader's own value negative). One all-reduce."""
+        if not self.enabled:
+            return value if ok else -1
+        mine = (value if self.leader else _NO_OBJECTION) if ok else -1
+        return self.min(mine)
