@@ -16,6 +16,7 @@ Tensor parallel: every rank makes the same sequence of collectives on every path
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Callable, Sequence
@@ -38,6 +39,35 @@ from .tp import TPAgreement
 
 R = DegradeReason
 S = PrefixState
+
+
+def _owns_release(match):
+    """While `match` runs for a request id, its thread alone may release that id: an
+    abort/finish from another thread meanwhile (the hook's scheduler thread dropping a
+    LOOKUP its worker still runs) is only recorded, and carried out here once `match`
+    returned, after every call it made (see `_release`)."""
+
+    @functools.wraps(match)
+    def owned(self, request_id: str, *args, **kwargs):
+        with self._lock:
+            owner = request_id not in self._matching  # a nested match defers to its owner
+            if owner:
+                self._matching[request_id] = None
+        if not owner:
+            return match(self, request_id, *args, **kwargs)
+        try:
+            result = match(self, request_id, *args, **kwargs)
+        finally:
+            with self._lock:
+                reason = self._matching.pop(request_id)
+                p = self._live.get(request_id)
+            if reason is not None:
+                self._release(request_id, reason)
+        if reason is None:
+            return result
+        return self._match_result(p) if p is not None else MatchResult()
+
+    return owned
 
 
 class LoadBackOrchestrator:
@@ -64,6 +94,8 @@ class LoadBackOrchestrator:
         self.break_even = BreakEvenGuard(config.break_even, connector.layout.bytes_per_token)
         self._live: dict[str, Prefix] = {}
         self._sessions: dict[str, int] = {}  # request -> daemon epoch its last call went to
+        # Requests inside match -> the release asked for meanwhile (None: none yet).
+        self._matching: dict[str, DegradeReason | None] = {}
         self._lock = threading.RLock()
         self._closed = False
         self._on_close: list[Callable[[], None]] = []
@@ -77,6 +109,7 @@ class LoadBackOrchestrator:
 
     # ------------------------------------------------------------------ match
 
+    @_owns_release
     def match(self, request_id: str, token_ids: Sequence[int], *, local_hit_tokens: int = 0,
               cache_salt: str = "") -> MatchResult:
         """How many tokens the engine may load beyond its local hit (`.tokens`, 0 =
@@ -208,13 +241,18 @@ class LoadBackOrchestrator:
         self._release(request_id, R.ABORTED)
 
     def _release(self, request_id: str, reason: DegradeReason) -> None:
+        """One thread releases a request id: the prefix and the session are taken out under
+        the lock (a second release finds nothing), and while match runs for the id the
+        release is left to match's own thread (`_owns_release`), so nothing match does
+        afterwards (a LOOKUP's lock free, a prepared range) outlives the release."""
         with self._lock:
-            p = self._live.get(request_id)
+            if request_id in self._matching:
+                self._matching[request_id] = self._matching[request_id] or reason
+                return
+            p = self._live.pop(request_id, None)
             epoch = self._sessions.pop(request_id, None)
         if p is not None and not PrefixState(p.state).terminal:
             self._finish_degraded(p, reason)
-        with self._lock:
-            self._live.pop(request_id, None)
         if epoch is not None:
             # A call the daemon has not answered yet would re-create the session when
             # served: the end waits until every call of the request is answered or dropped.

@@ -235,11 +235,15 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
         salt = self._salt(key.extra_key, key.cache_salt)
         job = self._lookups.get(handle)
         if job is not None:  # 0.5.23: answered (or timed out) in check_prefetch_progress
-            if self._worker.resolve(job, time.monotonic()) is None:
+            tokens = self._worker.resolve(job, time.monotonic())
+            if tokens is None:
                 return 0
             self._lookups.pop(handle)
-            job.promise.tokens = job.tokens
+            # What resolve answered, never job.tokens: a LOOKUP resolved as a miss at its
+            # deadline is filled in later by the worker, which releases it.
+            job.promise.tokens = tokens
             self._promises[handle] = job.promise
+            self._checked(handle, job.promise)
         p = self._promises.get(handle)
         if p is None:
             self._drop_other_attempts(handle)
