@@ -411,15 +411,24 @@ class LMCacheMPConnector:
                         transfer=self.transfer)
 
     def _prepare_range(self, key: wire.CacheKey, n_chunks: int, timeout_s: float):
-        """One prepare_retrieve: (validated chunks, the owed commit)."""
-        reply = self._call("prepare_retrieve", [key, self.instance_id], timeout_s,
-                           request_id=key.request_id)
+        """One prepare_retrieve: (validated chunks, the owed commit). The commit is owed
+        (`exc.owed` on a raise) whenever the daemon may have served it, answered or not:
+        abandoned at the deadline and served later, it parks the range's read locks (shm)
+        until a commit_retrieve of the same key. Paid after the daemon answered the
+        abandoned call, the commit releases them; if it was never served, or refused,
+        the commit finds no transfer and releases nothing (in pickle mode it never does)."""
+        commit = self._owed_commit(key)
+        try:
+            reply = self._call("prepare_retrieve", [key, self.instance_id], timeout_s,
+                               request_id=key.request_id)
+        except DaemonTimeout as exc:
+            exc.owed = commit
+            raise
         if reply is None or not reply.success:
             raise DaemonRejected(
                 f"prepare_retrieve [{key.start}, {key.end}) refused: the lookup locks are gone "
                 "(expired, freed, or the daemon restarted)"
             )
-        commit = self._owed_commit(key)
         try:
             return self._validated_chunks(reply, n_chunks), commit
         except ConnectorError as exc:
@@ -453,7 +462,7 @@ class LMCacheMPConnector:
         A CUDA pool on shared memory is loaded in pieces (`piece_plan`): the copy of one
         piece runs while the next piece's prepare_retrieve is in flight. A piece that fails
         after earlier pieces were queued waits for them (nothing writes the slots after the
-        raise); `exc.owed` then pays the answered pieces' commits and frees the locks of the
+        raise); `exc.owed` then pays the sent pieces' commits and frees the locks of the
         pieces never asked for, and `exc.locks_settled` says so (the caller frees nothing).
         Whatever reached the slots before a failure is not a load: the caller recomputes.
         """
@@ -556,7 +565,7 @@ class LMCacheMPConnector:
                     key, cnt, max(0.0, deadline - time.monotonic()))
             except ConnectorError as exc:
                 # Locks of [s, end) are still held unless this piece's call reached the
-                # daemon and may have taken them ([s, e) then waits for the daemon's TTL).
+                # daemon and may have taken them ([s, e): its commit, in exc.owed, frees them).
                 taken = not isinstance(exc, (DaemonUnavailable, DaemonRejected))
                 self._fail_pieces(exc, gpu, commits + ([exc.owed] if exc.owed else []),
                                   token_ids, request_id, start, e if taken else s, end,
@@ -578,8 +587,9 @@ class LMCacheMPConnector:
     def _fail_pieces(self, exc: ConnectorError, gpu, commits, token_ids, request_id,
                      start: int, held_from: int, end: int, cache_salt: str) -> None:
         """A pipelined load failed: nothing may write the slots after the raise, and what
-        the daemon is owed goes on `exc` (every answered piece's commit, then a free of the
-        locks [held_from, end) that no piece asked for)."""
+        the daemon is owed goes on `exc` (the commit of every piece the daemon may have
+        served, answered or abandoned at its deadline, then a free of the locks
+        [held_from, end) that no piece asked for)."""
         if gpu is not None:
             gpu.drain()
         if held_from == start:
@@ -611,13 +621,16 @@ class LMCacheMPConnector:
 
     def _owed_commit(self, key: wire.CacheKey) -> Callable[[float], bool]:
         """commit_retrieve for `key`, unsent: releases the daemon's buffer and read locks
-        (shm) once paid. Raises DaemonRejected if the daemon refuses it."""
+        (shm) once paid. An answered commit is settled whatever it says: 0.5.6 answers
+        True even for a transfer it never created (an abandoned prepare never served, or
+        refused), and a refusal would be no different sent again."""
 
         def commit(timeout_s: float) -> bool:
             ok = self._call("commit_retrieve", [key, self.instance_id], timeout_s,
                             request_id=key.request_id)
             if self.transfer == "shm" and not ok:
-                raise DaemonRejected(f"commit_retrieve of {key.request_id} refused")
+                log.debug("commit_retrieve [%d, %d) of %s refused: nothing to release",
+                          key.start, key.end, key.request_id)
             return True
 
         return commit

@@ -218,15 +218,24 @@ class PrefixCalls:
 
     def _after_failed_prepare(self, p: Prefix, exc: ConnectorError, epoch: int) -> None:
         """A call that sends prepare_retrieve failed: owe what it says is owed; unless it
-        never reached the daemon (or was refused), the locks are no longer ours to free."""
-        self._owe_commit(p, exc.owed, None, epoch)
+        never reached the daemon (or was refused), the locks are no longer ours to free.
+
+        One abandoned at its deadline may still be served (after a SIGSTOP, under load):
+        on shared memory the daemon then parks the range's read locks in a transfer that
+        only a commit_retrieve of the same key releases (else its read TTL, 300 s), so
+        the error carries that commit. It is paid once the daemon answered every call of
+        the request: it goes out on the releaser's connection, which the daemon may serve
+        on another worker than the abandoned call's, and must not overtake it."""
+        rid = p.request_id
+        self._owe_commit(p, exc.owed, lambda: self.connector.unanswered(rid) == 0, epoch)
         if exc.locks_settled or not isinstance(exc, (DaemonUnavailable, DaemonRejected)):
-            p.lease.forfeit()  # prepare_retrieve reached the daemon, which releases them
+            p.lease.forfeit()  # reached the daemon: the owed commit releases them
 
     def _owe_commit(self, p: Prefix, commit, ready, epoch: int) -> None:
+        """`ready`: None, a copy's completion event (its `query`) or a plain predicate."""
         if commit is not None:
             self.link.owe("commit_retrieve", p.request_id, epoch, commit,
-                          ready=None if ready is None else ready.query)
+                          ready=None if ready is None else getattr(ready, "query", ready))
 
     # ------------------------------------------------------------- releases
 
