@@ -18,7 +18,8 @@ registration (`attach`), not per load; copy plus scatter in pieces over two stre
 
 Lifetime: the segment is this process's own mapping (`connectors.lmcache_mp._ShmPool`), so a
 daemon that dies mid-copy cannot unmap it; a segment replaced by a re-registration stays
-mapped and registered until every load that reads it has completed (`_Segment.pending`).
+mapped and registered until no copy reads it any more: a load or store counts on it from
+before its first copy is queued until that copy's completion event is done (`_Segment`).
 Never raises anything but `GpuTransferError` (a ConnectorError: the orchestrator degrades with
 a reason) for CUDA failures; nothing here blocks on the daemon.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -76,11 +78,20 @@ def _cuda_call(reason: str, fn, *args, **kwargs):
 
 @dataclass
 class _Segment:
-    """The daemon's shared-memory pool as this process maps it, page-locked for DMA."""
+    """The daemon's shared-memory pool as this process maps it, page-locked for DMA.
+
+    Counted while copies read or write it: `users` loads and stores between pinning it and
+    having their completion event, then `pending` events until those completed. A retired
+    segment is unregistered only once both are empty (`idle`)."""
 
     bytes: torch.Tensor  # uint8 view of the mapping; holding it keeps the mapping alive
     registered: bool = False
-    pending: list = field(default_factory=list)  # events of loads still reading it
+    users: int = 0
+    pending: list = field(default_factory=list)  # events of copies still reading it
+
+    def contains(self, ptr: int) -> bool:
+        b = self.bytes
+        return b is not None and b.data_ptr() <= ptr < b.data_ptr() + b.numel()
 
     def hold(self, event) -> None:
         self.pending = [e for e in self.pending if not e.query()]
@@ -89,10 +100,10 @@ class _Segment:
 
     def idle(self) -> bool:
         self.pending = [e for e in self.pending if not e.query()]
-        return not self.pending
+        return self.users == 0 and not self.pending
 
     def release(self) -> None:
-        """Wait for the loads still reading it, then unregister and drop the mapping."""
+        """Wait for the copies still reading it, then unregister and drop the mapping."""
         for e in self.pending:
             e.synchronize()
         self.pending = []
@@ -160,6 +171,8 @@ class GpuTransfer:
                         if self.cuda else [None, None])
         self.segment: _Segment | None = None
         self._retired: list[_Segment] = []
+        # Guards segment, _retired and each segment's users (loads run beside registration).
+        self._seg_cond = threading.Condition()
         self._ring = _PinnedRing()
         self._tables: dict[tuple, torch.Tensor] = {}
         self._kernel = _pick_kernel(scatter, self.device)
@@ -175,24 +188,33 @@ class GpuTransfer:
         """At every registration: page-lock the daemon's (new) segment, retire the old one.
 
         `host_bytes` is this process's uint8 mapping of the segment, or None when the daemon
-        offers none (pickle). The old segment stays mapped until its loads completed.
+        offers none (pickle). The same mapping again changes nothing. The new segment is
+        page-locked before it replaces the old one; the old one stays mapped and registered
+        until no copy reads it (`_Segment.users` and `.pending`).
         """
-        if self.segment is not None:
-            if host_bytes is not None and self.segment.bytes is not None \
-                    and self.segment.bytes.data_ptr() == host_bytes.data_ptr():
+        with self._seg_cond:
+            self._reap()
+            cur = self.segment
+            if cur is not None and host_bytes is not None and cur.bytes is not None \
+                    and cur.bytes.data_ptr() == host_bytes.data_ptr() \
+                    and cur.bytes.numel() == host_bytes.numel():
                 return
-            self._retired.append(self.segment)
-            self.segment = None
-        self._reap()
-        if host_bytes is None:
-            return
-        seg = _Segment(host_bytes)
-        if self.cuda:
-            register_host(host_bytes)
-            seg.registered = True
-        self.segment = seg
+        seg = None
+        try:
+            if host_bytes is not None:
+                seg = _Segment(host_bytes)
+                if self.cuda:
+                    register_host(host_bytes)
+                    seg.registered = True
+        finally:
+            with self._seg_cond:
+                if self.segment is not None:
+                    self._retired.append(self.segment)
+                self.segment = seg if seg is None or seg.registered or not self.cuda else None
+                self._reap()
 
     def _reap(self) -> None:
+        """Unregister the retired segments no copy reads any more (holding `_seg_cond`)."""
         keep = []
         for seg in self._retired:
             if seg.idle():
@@ -201,14 +223,44 @@ class GpuTransfer:
                 keep.append(seg)
         self._retired = keep
 
-    def close(self) -> None:
+    def _pin(self, ptrs: Sequence[int], *, required: bool) -> _Segment | None:
+        """Count a copy into the segment holding every address of `ptrs` (the current one
+        or a retired one still mapped): it is not unregistered until `_unpin`."""
+        with self._seg_cond:
+            self._reap()
+            for seg in ([self.segment] if self.segment is not None else []) + self._retired:
+                if all(seg.contains(p) for p in ptrs):
+                    seg.users += 1
+                    return seg
+        if required:
+            raise GpuTransferError("no_segment", "shared-memory chunks outside every attached "
+                                   "segment (none attached, or it was released)")
+        return None
+
+    def _unpin(self, seg: _Segment | None, event) -> None:
+        """The copy counted by `_pin` is queued: `event` completes once it ran (None: it
+        already has). A retired segment is unregistered once nothing reads it."""
+        if seg is None:
+            return
+        with self._seg_cond:
+            seg.hold(event)
+            seg.users -= 1
+            self._reap()
+            self._seg_cond.notify_all()
+
+    def close(self, wait_s: float = 30.0) -> None:
         """Wait for running copies, unregister every segment, free staging."""
-        if self.segment is not None:
-            self._retired.append(self.segment)
-            self.segment = None
-        for seg in self._retired:
-            seg.release()
-        self._retired = []
+        with self._seg_cond:
+            if self.segment is not None:
+                self._retired.append(self.segment)
+                self.segment = None
+            if not self._seg_cond.wait_for(lambda: all(s.users == 0 for s in self._retired),
+                                           wait_s):
+                log.warning("closing the GPU transfer while a copy still counts on the "
+                            "daemon's segment")
+            for seg in self._retired:
+                seg.release()
+            self._retired = []
         self._ring.drain()
         self._ring = _PinnedRing()
         self._tables.clear()
@@ -254,21 +306,29 @@ class GpuTransfer:
         """Write chunk rows [skip, n*chunk) into `slots` of the pool; returns the ready event.
 
         `chunks` are validated host tensors of `layout.chunk_shape`; `slots` are validated
-        (len n*chunk - skip, in range). `from_segment`: the chunks are views into the
-        attached (page-locked) segment, else they are copied through pinned staging first.
+        (len n*chunk - skip, in range). `from_segment`: the chunks are views into an
+        attached (page-locked) segment, counted as read until the returned event completed;
+        else they are copied through pinned staging first.
         `before_scatter`: runs once the first piece's host-to-device copy is queued and
         before anything is written to the pool (e.g. the slot checks, so they overlap the
         copy); whatever it raises is raised after the queued copies have run.
         """
         if not chunks:
             return None
-        if from_segment and self.segment is None:
-            raise GpuTransferError("no_segment", "shared-memory chunks but no segment attached")
+        seg = self._pin([c.data_ptr() for c in chunks], required=True) if from_segment \
+            else None
         try:
-            return self._load(layout, chunks, pool, slots, skip, from_segment, before_scatter)
+            ready = self._load(layout, chunks, pool, slots, skip, from_segment,
+                               before_scatter)
         except BaseException:
             self.drain()  # pieces already queued must not write the slots after the raise
+            self._unpin(seg, None)
             raise
+        self._unpin(seg, ready)
+        if ready is not None and self.sync:
+            _cuda_call("copy_failed", ready.synchronize)
+            return None
+        return ready
 
     def drain(self) -> None:
         """Wait until every copy and scatter queued on the side streams has run."""
@@ -309,7 +369,6 @@ class GpuTransfer:
     def _load(self, layout, chunks, pool, slots, skip, from_segment, before_scatter=None):
         n = len(chunks)
         ks, vs = list(pool.k_buffer), list(pool.v_buffer)
-        seg = self.segment if from_segment else None
         self._begin()
         c = layout.chunk_size
         bounds = _pieces(n, self.pieces if from_segment else max(
@@ -340,13 +399,7 @@ class GpuTransfer:
                 first = skip if j0 == 0 else 0  # rows of the piece's first chunk to drop
                 _cuda_call("scatter_failed", self._scatter, layout, stage, ks, vs,
                            slots_dev[lo:hi], first, table)
-        ready = self._finish()
-        if seg is not None:
-            seg.hold(ready)
-        if ready is not None and self.sync:
-            _cuda_call("copy_failed", ready.synchronize)
-            return None
-        return ready
+        return self._finish()
 
     def _through_pinned(self, layout: KVLayout, src: Sequence[torch.Tensor], p: int):
         """Host memcpy of decoded chunks into pinned staging (DMA reads it asynchronously)."""
@@ -392,32 +445,39 @@ class GpuTransfer:
             return list(out or [])
         ks, vs = list(pool.k_buffer), list(pool.v_buffer)
         c, m = layout.chunk_size, len(idx)
-        self._begin()
-        s0 = self.streams[0]
-        with self._stream_ctx(s0):
-            sl = _cuda_call("copy_failed", lambda: slots.to(self.device, torch.int64))
-            sl = sl.view(-1, c)[torch.tensor(idx, device=self.device)].reshape(-1)
-            stage = _cuda_call("alloc_failed", torch.empty, (m, *layout.chunk_shape),
-                               dtype=layout.dtype, device=self.device)
-            if self._kernel is not None:
-                _cuda_call("gather_failed", self._kernel, stage, self._table(ks, vs), sl,
-                           m * c, 0, layout, gather=True)
-            else:
-                for kv, bufs in ((0, ks), (1, vs)):
-                    for l in range(layout.num_layers):
-                        stage[:, kv, l] = bufs[l].view(-1, layout.hidden_dim)[sl].view(
-                            m, c, layout.hidden_dim)
-            if out is None:
-                buf = self._ring.take(0, m * layout.chunk_bytes, pin=self.cuda)
-                host = buf.view(layout.dtype).view(m, *layout.chunk_shape)
-                _cuda_call("copy_failed", host.copy_, stage, self.cuda)
-                out = list(host.unbind(0))
-            else:
-                for k in range(m):
-                    _cuda_call("copy_failed", out[k].copy_, stage[k], self.cuda)
-        done = self._finish()
-        if done is not None:
-            _cuda_call("copy_failed", done.synchronize)
+        seg = self._pin([t.data_ptr() for t in out], required=False) if out else None
+        try:
+            self._begin()
+            s0 = self.streams[0]
+            with self._stream_ctx(s0):
+                sl = _cuda_call("copy_failed", lambda: slots.to(self.device, torch.int64))
+                sl = sl.view(-1, c)[torch.tensor(idx, device=self.device)].reshape(-1)
+                stage = _cuda_call("alloc_failed", torch.empty, (m, *layout.chunk_shape),
+                                   dtype=layout.dtype, device=self.device)
+                if self._kernel is not None:
+                    _cuda_call("gather_failed", self._kernel, stage, self._table(ks, vs), sl,
+                               m * c, 0, layout, gather=True)
+                else:
+                    for kv, bufs in ((0, ks), (1, vs)):
+                        for l in range(layout.num_layers):
+                            stage[:, kv, l] = bufs[l].view(-1, layout.hidden_dim)[sl].view(
+                                m, c, layout.hidden_dim)
+                if out is None:
+                    buf = self._ring.take(0, m * layout.chunk_bytes, pin=self.cuda)
+                    host = buf.view(layout.dtype).view(m, *layout.chunk_shape)
+                    _cuda_call("copy_failed", host.copy_, stage, self.cuda)
+                    out = list(host.unbind(0))
+                else:
+                    for k in range(m):
+                        _cuda_call("copy_failed", out[k].copy_, stage[k], self.cuda)
+            done = self._finish()
+            if done is not None:
+                _cuda_call("copy_failed", done.synchronize)
+        except BaseException:
+            self.drain()  # nothing queued may still write the segment once it is released
+            raise
+        finally:
+            self._unpin(seg, None)
         return list(out)
 
 

@@ -23,6 +23,7 @@ import itertools
 import logging
 import mmap
 import os
+import threading
 import time
 from typing import Callable, Literal, Sequence
 
@@ -60,9 +61,10 @@ def _new_instance_id() -> int:
 
 
 class _ShmPool:
-    """A read/write mapping of the daemon's L1 pool (/dev/shm/<name>)."""
+    """A read/write mapping of the daemon's L1 pool (/dev/shm/<name>), as registration with
+    daemon incarnation `epoch` (the connection epoch) named it."""
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, epoch: int | None = None) -> None:
         path = "/dev/shm/" + name.lstrip("/")
         try:
             fd = os.open(path, os.O_RDWR)
@@ -75,12 +77,24 @@ class _ShmPool:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        self.name = name
         self.size = size
+        self.epoch = epoch
         # Through a memoryview, every view holds a buffer export: close() then cannot unmap
         # the pool under a copy still reading it (the mapping goes with the last view).
-        self.bytes = torch.frombuffer(memoryview(self._map), dtype=torch.uint8)
+        self.bytes: torch.Tensor | None = torch.frombuffer(memoryview(self._map),
+                                                           dtype=torch.uint8)
+
+    def names(self, name: str, size: int, epoch: int) -> bool:
+        """This mapping is the segment a registration with incarnation `epoch` named."""
+        return self.bytes is not None and (self.name, self.size, self.epoch) == (
+            name, size, epoch)
 
     def view(self, slot: wire.ShmSlot, layout: KVLayout) -> torch.Tensor:
+        data = self.bytes  # once: close() may run on another thread
+        if data is None:
+            raise DaemonUnavailable("the daemon's shared-memory pool was unmapped (a "
+                                    "re-registration replaced it, or the client closed)")
         if slot.dtype != layout.dtype_str or tuple(slot.shape) != layout.chunk_shape:
             raise ProtocolError(
                 f"shm slot of {slot.dtype}{slot.shape}, expected "
@@ -92,7 +106,7 @@ class _ShmPool:
             raise ProtocolError(
                 f"shm slot [{slot.offset}, +{slot.length}) outside the {self.size}-byte pool"
             )
-        raw = self.bytes[slot.offset : slot.offset + slot.length]
+        raw = data[slot.offset : slot.offset + slot.length]
         return raw.view(layout.dtype).view(layout.chunk_shape)
 
     def close(self) -> None:
@@ -173,6 +187,7 @@ class LMCacheMPConnector:
         self.instance_id = instance_id if instance_id is not None else _new_instance_id()
         self.transport = transport or ZmqTransport(endpoint, connect_timeout_s=connect_timeout_s)
         self._shm: _ShmPool | None = None
+        self._map_lock = threading.Lock()  # one swap of _shm / _gpu at a time (readers: none)
         #: Tests only: n_chunks -> chunks per piece, pipelining any load (CPU pools too).
         self.force_pieces: Callable[[int], list[int]] | None = None
 
@@ -257,6 +272,7 @@ class LMCacheMPConnector:
         )
         # Registration and noop are both answered inline, in arrival order: a noop answer
         # without the registration's proves the daemon dropped it (another version).
+        epoch = self.epoch
         try:
             frame = self.transport.call("register_kv_cache_engine_driven_context",
                                         [wire.encode(payload)], timeout_s, probe=True)
@@ -282,32 +298,66 @@ class LMCacheMPConnector:
                     "or restart it with both flags)"
                 )
         mode = "shm" if offered and self.transfer_setting != "pickle" else "pickle"
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
-        if mode == "shm":
-            self._shm = _ShmPool(reply.shm_name, reply.pool_size)
-        self.transfer = mode
-        if self._gpu is not None:
-            self._gpu.attach(self._shm.bytes if self._shm is not None else None)
+        # The incarnation that answered: its handshake came before its reply. One that
+        # changed during the call is not trusted to name the mapping we hold.
+        answered = self.epoch if self.epoch == epoch else None
+        with self._map_lock:
+            self._swap_mapping(mode, reply, answered)
         if mode != self._logged_transfer:
             log.info("daemon %s: transfer %s (setting %s%s)", self.endpoint, mode,
                      self.transfer_setting, ", shared-memory pool offered" if offered else "")
             self._logged_transfer = mode
         return reply
 
+    def _swap_mapping(self, mode: str, reply: wire.RegisterReply, epoch: int | None) -> None:
+        """After a registration (holding `_map_lock`): keep the mapping when the same daemon
+        incarnation named the same segment (a suspect re-registration: no remap, no second
+        page-locking), else map the new one, page-lock it, then publish it in one store.
+        Readers take `self._shm` once and keep that object: an old mapping stays valid while
+        views of it live, and a copy from it stays counted on its page-locking."""
+        old = self._shm
+        if mode == "shm" and old is not None and epoch is not None and old.names(
+                reply.shm_name, reply.pool_size, epoch):
+            self.transfer = mode
+            return
+        new = None
+        try:
+            if mode == "shm":
+                new = _ShmPool(reply.shm_name, reply.pool_size, epoch)
+            if self._gpu is not None:  # before anyone can take a view of the new mapping
+                self._gpu.attach(new.bytes if new is not None else None)
+        except BaseException:
+            self._shm = None
+            if new is not None:
+                new.close()
+            if old is not None:
+                old.close()
+            raise
+        self._shm = new
+        self.transfer = mode
+        if old is not None:
+            old.close()
+
     def _gpu_for(self, pool: KVPool) -> GpuTransfer:
         """The CUDA data path for this pool's device (made, and the segment page-locked, on
         first use when the connector was not built with `device=`)."""
         dev = pool_device(pool)
-        if self._gpu is None or self._gpu.device != dev:
-            if self._gpu is not None:
-                self._gpu.close()
-            log.warning("KV pool on %s: page-locking the daemon's segment now; pass "
-                        "device=%r to the connector to do it at registration", dev, str(dev))
-            self._gpu = GpuTransfer(dev, sync=self.gpu_sync)
-            self._gpu.attach(self._shm.bytes if self._shm is not None else None)
-        return self._gpu
+        gpu = self._gpu
+        if gpu is not None and gpu.device == dev:
+            return gpu
+        with self._map_lock:
+            gpu = self._gpu
+            if gpu is None or gpu.device != dev:
+                if gpu is not None:
+                    gpu.close()
+                log.warning("KV pool on %s: page-locking the daemon's segment now; pass "
+                            "device=%r to the connector to do it at registration", dev,
+                            str(dev))
+                gpu = GpuTransfer(dev, sync=self.gpu_sync)
+                shm = self._shm
+                gpu.attach(shm.bytes if shm is not None else None)
+                self._gpu = gpu
+            return gpu
 
     def unregister(self, timeout_s: float) -> None:
         self._call("unregister_kv_cache_engine_driven_context", [self.instance_id], timeout_s)
@@ -649,12 +699,24 @@ class LMCacheMPConnector:
             raise ShortRead(f"prepare_retrieve returned {len(chunks)} of {n_chunks} chunks")
         return chunks
 
-    def _shm_views(self, context: wire.ShmContext, n_chunks: int) -> list[torch.Tensor]:
-        if self._shm is None:
+    def _mapping(self, epoch: int | None = None) -> _ShmPool:
+        """The mapping of the segment of the daemon we talk to now (and, given `epoch`, the
+        one a call started then was answered by), read once: a re-registration may swap
+        it on another thread; the object read stays valid. DaemonUnavailable otherwise."""
+        shm = self._shm
+        if shm is None:
             raise DaemonUnavailable("shared-memory pool not mapped: register first")
+        if shm.epoch is None or shm.epoch != self.epoch or (
+                epoch is not None and epoch != shm.epoch):
+            raise DaemonUnavailable("the shared-memory pool mapped is another daemon "
+                                    "incarnation's: register again first")
+        return shm
+
+    def _shm_views(self, context: wire.ShmContext, n_chunks: int) -> list[torch.Tensor]:
+        shm = self._mapping()
         if len(context.slots) != n_chunks:
             raise ShortRead(f"daemon offered {len(context.slots)} of {n_chunks} chunks")
-        return [self._shm.view(s, self.layout) for s in context.slots]
+        return [shm.view(s, self.layout) for s in context.slots]
 
     def store_from(
         self,
@@ -674,6 +736,7 @@ class LMCacheMPConnector:
         slots = check_slots(self.layout, slots[:end], end, pool_size=pool.num_slots)
         self._check_pickle_size(end)
         key = self.key(token_ids, request_id, end=end, cache_salt=cache_salt)
+        epoch = self.epoch  # the mapping must be the one of the daemon that answers
         prep = self._call("prepare_store", [key, self.instance_id], timeout_s,
                           request_id=request_id)
         left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
@@ -683,9 +746,8 @@ class LMCacheMPConnector:
                 return True  # every chunk is cached already
             if len(ctx.slots) != len(ctx.chunk_indices):
                 raise ProtocolError("prepare_store: slots and chunk_indices differ in length")
-            if self._shm is None:
-                raise DaemonUnavailable("shared-memory pool not mapped: register first")
-            views = [self._shm.view(s, self.layout) for s in ctx.slots]
+            shm = self._mapping(epoch)
+            views = [shm.view(s, self.layout) for s in ctx.slots]
             if on_cuda(pool):
                 self._gpu_for(pool).store(self.layout, pool, slots, list(ctx.chunk_indices),
                                           out=views)
@@ -705,10 +767,11 @@ class LMCacheMPConnector:
                                request_id=request_id))
 
     def close(self) -> None:
-        if self._gpu is not None:  # waits for copies still reading the segment
-            self._gpu.close()
-            self._gpu = None
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
+        with self._map_lock:
+            gpu, self._gpu = self._gpu, None
+            shm, self._shm = self._shm, None
+        if gpu is not None:  # waits for copies still reading the segment
+            gpu.close()
+        if shm is not None:
+            shm.close()
         self.transport.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from connectors.gpu_transfer import GpuTransfer, GpuTransferError, _cuda_call, _
 from connectors.kv_layout import KVLayout, KVPool, gather_chunks, scatter_skipping
 from connectors.lmcache_mp import _ShmPool
 from connectors import wire
+from tests.stepping import Stepped
 
 LAYOUT = KVLayout(num_layers=3, num_heads=2, head_dim=8, dtype=torch.bfloat16, chunk_size=16)
 
@@ -211,3 +213,30 @@ def test_pickle_message_over_the_wire_limit_is_refused_before_sending(monkeypatc
         assert sent and sent[0][0] == "prepare_store"
     finally:
         conn.close()
+
+
+# -- ownership: segments counted while copies read them, staging with one owner at a time ----
+
+def test_a_segment_replaced_mid_load_stays_registered_until_the_copy_ran(monkeypatch):
+    """A load counts on its segment from before its first copy, not only once it finished:
+    a re-registration in between retires the segment but must not unregister it."""
+    import connectors.gpu_transfer as gt_mod
+    unregistered = []
+    monkeypatch.setattr(gt_mod.torch.cuda, "cudart", lambda: SimpleNamespace(
+        cudaHostUnregister=lambda ptr: unregistered.append(ptr) or 0))
+    gt = GpuTransfer("cpu", pieces=2)
+    seg, chunks = _segment_chunks(4)
+    gt.attach(seg)
+    old = gt.segment
+    old.registered = True  # as cudaHostRegister left it on a GPU
+    pool, slots = _pool(), torch.randperm(512)[:4 * 16]
+    step = Stepped(monkeypatch, gt_mod, "_copy_chunks")  # the first copy is not queued yet
+    with step.held(lambda: gt.load(LAYOUT, chunks, pool, slots, 0, from_segment=True)):
+        gt.attach(torch.zeros(64, dtype=torch.uint8))  # the daemon restarted: a new segment
+        assert unregistered == [] and old.registered and old.bytes is seg, \
+            "the segment was unregistered while a queued copy reads it"
+        assert gt._retired == [old]
+    step.result()
+    assert _same(pool, _expected(chunks, slots, 0))
+    assert unregistered == [seg.data_ptr()] and gt._retired == []  # released once it ran
+    gt.close()
