@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 DEFAULT_PIECES = 4
 #: Largest pinned staging piece for pickle loads (host memcpy of piece i+1 overlaps DMA of i).
 PICKLE_PIECE_BYTES = 256 << 20
+#: Pinned staging buffers: a pickle load alternates between two while a store owns a third.
+STAGING_BUFFERS = 3
+#: Longest wait for a staging buffer when all are owned (a bug, never a daemon fault).
+STAGING_WAIT_S = 30.0
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -125,31 +130,72 @@ def register_host(t: torch.Tensor) -> None:
 
 
 class _PinnedRing:
-    """Two pinned host buffers for pickle loads and stores; a buffer is reused only after the
-    copy that last read or wrote it has completed."""
+    """Pinned host staging for pickle loads and stores; each buffer has one owner at a time.
 
-    def __init__(self) -> None:
-        self.bufs: list[torch.Tensor | None] = [None, None]
-        self.events: list = [None, None]
+    `take` hands out a buffer nobody owns (waiting, bounded, when all are owned) and
+    `give` returns it with the event of the copy still reading or writing it, recorded
+    before the give: the next taker waits for that event before it touches the bytes.
+    A load owns a buffer from its host memcpy until its host-to-device copy is queued; a
+    store from its device-to-host copy until the bytes were copied out of it."""
 
-    def take(self, i: int, nbytes: int, pin: bool) -> torch.Tensor:
-        i %= 2
-        if self.events[i] is not None:
-            self.events[i].synchronize()
-            self.events[i] = None
-        buf = self.bufs[i]
-        if buf is None or buf.numel() < nbytes:
-            buf = self.bufs[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        return buf[:nbytes]
+    def __init__(self, size: int = STAGING_BUFFERS) -> None:
+        self.bufs: list[torch.Tensor | None] = [None] * size
+        self.events: list = [None] * size
+        self.owned: list[bool] = [False] * size
+        self._cond = threading.Condition()
 
-    def done(self, i: int, event) -> None:
-        self.events[i % 2] = event
+    def _pick(self, nbytes: int) -> int | None:
+        """The best unowned buffer: done and big enough, done, then one still copying."""
+        free = [i for i, o in enumerate(self.owned) if not o]
+        if not free:
+            return None
+
+        def rank(i: int) -> tuple[int, int]:
+            ev, buf = self.events[i], self.bufs[i]
+            done = ev is None or ev.query()
+            return (0 if done else 1, 0 if buf is not None and buf.numel() >= nbytes else 1)
+
+        return min(free, key=rank)
+
+    def take(self, nbytes: int, pin: bool, wait_s: float = STAGING_WAIT_S
+             ) -> tuple[int, torch.Tensor]:
+        """(buffer id, `nbytes` of it), owned by the caller until `give`."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while (i := self._pick(nbytes)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise GpuTransferError("staging_busy", f"every pinned staging buffer "
+                                           f"stayed owned for {wait_s} s")
+                self._cond.wait(left)
+            self.owned[i] = True
+            ev, self.events[i] = self.events[i], None
+        try:
+            if ev is not None:  # the copy that last used it must be done before we write
+                _cuda_call("copy_failed", ev.synchronize)
+            buf = self.bufs[i]
+            if buf is None or buf.numel() < nbytes:
+                self.bufs[i] = None
+                buf = self.bufs[i] = _cuda_call("alloc_failed", torch.empty, nbytes,
+                                                dtype=torch.uint8, pin_memory=pin)
+        except BaseException:
+            self.give(i, None)
+            raise
+        return i, buf[:nbytes]
+
+    def give(self, i: int, event) -> None:
+        """Give buffer `i` back; `event`: the queued copy that still uses it (or None)."""
+        with self._cond:
+            self.events[i] = event
+            self.owned[i] = False
+            self._cond.notify()
 
     def drain(self) -> None:
-        for e in self.events:
+        with self._cond:
+            events, self.events = self.events, [None] * len(self.events)
+        for e in events:
             if e is not None:
                 e.synchronize()
-        self.events = [None, None]
 
 
 class GpuTransfer:
@@ -317,11 +363,14 @@ class GpuTransfer:
             return None
         seg = self._pin([c.data_ptr() for c in chunks], required=True) if from_segment \
             else None
+        staged: list[int] = []  # the staging buffer this load owns (given back once queued)
         try:
             ready = self._load(layout, chunks, pool, slots, skip, from_segment,
-                               before_scatter)
+                               before_scatter, staged)
         except BaseException:
             self.drain()  # pieces already queued must not write the slots after the raise
+            for i in staged:
+                self._ring.give(i, None)
             self._unpin(seg, None)
             raise
         self._unpin(seg, ready)
@@ -366,7 +415,7 @@ class GpuTransfer:
                 out.record_stream(s)
         return out
 
-    def _load(self, layout, chunks, pool, slots, skip, from_segment, before_scatter=None):
+    def _load(self, layout, chunks, pool, slots, skip, from_segment, before_scatter, staged):
         n = len(chunks)
         ks, vs = list(pool.k_buffer), list(pool.v_buffer)
         self._begin()
@@ -383,17 +432,19 @@ class GpuTransfer:
                                    dtype=layout.dtype, device=self.device)
                 src = chunks[j0:j1]
                 if not from_segment:
-                    src = self._through_pinned(layout, src, p)
+                    src = self._through_pinned(layout, src, staged)
                 _cuda_call("copy_failed", _copy_chunks, stage, src, self.cuda)
+                if staged:  # the event is recorded before anyone else can take the buffer
+                    ev = None
+                    if self.cuda:
+                        ev = torch.cuda.Event()
+                        ev.record(s)
+                    self._ring.give(staged.pop(), ev)
             if slots_dev is None:  # the first copy is on its way: the rest overlaps it
                 if before_scatter is not None:
                     before_scatter()
                 slots_dev = self._slots_on_device(slots)
             with self._stream_ctx(s):
-                if not from_segment and self.cuda:
-                    ev = torch.cuda.Event()
-                    ev.record(s)
-                    self._ring.done(p, ev)
                 lo = max(0, j0 * c - skip)  # first slot this piece writes
                 hi = j1 * c - skip
                 first = skip if j0 == 0 else 0  # rows of the piece's first chunk to drop
@@ -401,9 +452,12 @@ class GpuTransfer:
                            slots_dev[lo:hi], first, table)
         return self._finish()
 
-    def _through_pinned(self, layout: KVLayout, src: Sequence[torch.Tensor], p: int):
-        """Host memcpy of decoded chunks into pinned staging (DMA reads it asynchronously)."""
-        buf = self._ring.take(p, len(src) * layout.chunk_bytes, pin=self.cuda)
+    def _through_pinned(self, layout: KVLayout, src: Sequence[torch.Tensor],
+                        staged: list[int]):
+        """Host memcpy of decoded chunks into a staging buffer this load then owns (its id
+        goes on `staged`) until the host-to-device copy reading it is queued."""
+        i, buf = self._ring.take(len(src) * layout.chunk_bytes, pin=self.cuda)
+        staged.append(i)
         block = buf.view(layout.dtype).view(len(src), *layout.chunk_shape)
         for k, t in enumerate(src):
             block[k].copy_(t)
@@ -437,8 +491,9 @@ class GpuTransfer:
         """Gather the chunks `chunk_indices` of `slots` on the device, copy them to host.
 
         `out`: views into the attached segment (written in place), or None: the chunks come
-        back as host tensors (views of pinned staging, valid until the next store). Returns
-        once the bytes are on the host (the caller commits them next).
+        back as host tensors of their own (copied out of pinned staging, which goes back to
+        the ring before this returns: a load may reuse it at once). Returns once the bytes
+        are on the host (the caller commits them next).
         """
         idx = [int(i) for i in chunk_indices]
         if not idx:
@@ -446,6 +501,7 @@ class GpuTransfer:
         ks, vs = list(pool.k_buffer), list(pool.v_buffer)
         c, m = layout.chunk_size, len(idx)
         seg = self._pin([t.data_ptr() for t in out], required=False) if out else None
+        staged = None
         try:
             self._begin()
             s0 = self.streams[0]
@@ -463,20 +519,23 @@ class GpuTransfer:
                             stage[:, kv, l] = bufs[l].view(-1, layout.hidden_dim)[sl].view(
                                 m, c, layout.hidden_dim)
                 if out is None:
-                    buf = self._ring.take(0, m * layout.chunk_bytes, pin=self.cuda)
+                    staged, buf = self._ring.take(m * layout.chunk_bytes, pin=self.cuda)
                     host = buf.view(layout.dtype).view(m, *layout.chunk_shape)
                     _cuda_call("copy_failed", host.copy_, stage, self.cuda)
-                    out = list(host.unbind(0))
                 else:
                     for k in range(m):
                         _cuda_call("copy_failed", out[k].copy_, stage[k], self.cuda)
             done = self._finish()
             if done is not None:
                 _cuda_call("copy_failed", done.synchronize)
+            if out is None:  # our own bytes: the staging buffer is free once this returns
+                out = [host[k].clone() for k in range(m)]
         except BaseException:
-            self.drain()  # nothing queued may still write the segment once it is released
+            self.drain()  # nothing queued may still write the staging or the segment
             raise
         finally:
+            if staged is not None:
+                self._ring.give(staged, None)
             self._unpin(seg, None)
         return list(out)
 

@@ -188,6 +188,7 @@ class LMCacheMPConnector:
         self.transport = transport or ZmqTransport(endpoint, connect_timeout_s=connect_timeout_s)
         self._shm: _ShmPool | None = None
         self._map_lock = threading.Lock()  # one swap of _shm / _gpu at a time (readers: none)
+        self._map_lock = threading.Lock()  # one swap of _shm / _gpu at a time (readers: none)
         #: Tests only: n_chunks -> chunks per piece, pipelining any load (CPU pools too).
         self.force_pieces: Callable[[int], list[int]] | None = None
 
@@ -757,7 +758,7 @@ class LMCacheMPConnector:
             del views
             return bool(self._call("commit_store", [key, self.instance_id, b""], left(),
                                    request_id=request_id))
-        if on_cuda(pool):  # pinned views, cloned by dump_tensor_list before the next store
+        if on_cuda(pool):  # our own host copies: the pinned staging went back to the ring
             chunks = self._gpu_for(pool).store(self.layout, pool, slots,
                                                range(end // self.chunk_size), out=None)
         else:

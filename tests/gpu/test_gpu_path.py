@@ -267,3 +267,56 @@ def test_a_suspect_reregistration_does_not_page_lock_again(shm_daemon, conns, mo
     assert conn._shm is mapped and conn._gpu.segment is seg and seg.registered
     assert calls == [], f"page-locked again ({took:.3f} s)"
     print(f"re-registration with the same segment: {took * 1000:.1f} ms")
+
+
+def _load_exact(conn, layout, src, toks, stored, rid):
+    assert conn.lookup_hit_tokens(toks, rid, T) == len(toks)
+    dst, slots = _pool(layout, fill=False), torch.randperm(2048)[:len(toks)].to(DEV)
+    r = _retrieve(conn, toks, rid, dst, slots)
+    r.ready.synchronize()
+    ok = all(torch.equal(a, b) for a, b in zip(_rows(dst, slots), _rows(src, stored)))
+    r.commit(T)
+    conn.end_session(rid, T)
+    return ok
+
+
+def test_a_pickle_store_stays_byte_exact_while_a_load_reuses_staging(pickle_daemon, conns,
+                                                                     monkeypatch):
+    """The store's host chunks are serialised after its device-to-host copy: a pickle load
+    running in between (through pinned staging) must not write where they are."""
+    import connectors.lmcache_mp as mp
+    lay = _layout()
+    conn = conns(pickle_daemon, lay)
+    o_src, o_toks, o_stored = _stored_prefix(conn, lay, "other")
+    src = _pool(lay)
+    toks = torch.randint(1, 30000, (4 * CHUNK,)).tolist()
+    stored = torch.randperm(2048)[:4 * CHUNK].to(DEV)
+    step = Stepped(monkeypatch, mp, "dump_tensor_list")  # copied to host, not serialised
+    with step.held(lambda: conn.store_from(toks, "p-s", src, stored, timeout_s=T)):
+        assert _load_exact(conn, lay, o_src, o_toks, o_stored, "o-r")
+    assert step.result() is True
+    conn.end_session("p-s", T)
+    assert _load_exact(conn, lay, src, toks, stored, "p-r"), "the stored bytes were corrupted"
+
+
+def test_a_store_never_takes_the_staging_of_a_load_not_yet_copied(pickle_daemon, conns,
+                                                                  monkeypatch):
+    """A pickle load staged its first piece and has not queued its copy: a store in between
+    takes another buffer, and both are byte-exact."""
+    import connectors.gpu_transfer as gt
+    lay = _layout()
+    conn = conns(pickle_daemon, lay)
+    src, toks, stored = _stored_prefix(conn, lay, "l")
+    assert conn.lookup_hit_tokens(toks, "l-r", T) == len(toks)
+    dst, slots = _pool(lay, fill=False), torch.randperm(2048)[:len(toks)].to(DEV)
+    step = Stepped(monkeypatch, gt, "_copy_chunks")
+    with step.held(lambda: _retrieve(conn, toks, "l-r", dst, slots)):
+        # One chunk, like the load's staged piece: a buffer that size would be reused.
+        s2, t2, st2 = _stored_prefix(conn, lay, "during", n_tok=CHUNK)
+    r = step.result()
+    r.ready.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(_rows(dst, slots), _rows(src, stored))), \
+        "the load copied the store's bytes"
+    r.commit(T)
+    conn.end_session("l-r", T)
+    assert _load_exact(conn, lay, s2, t2, st2, "during-r")

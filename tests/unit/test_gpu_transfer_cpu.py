@@ -240,3 +240,51 @@ def test_a_segment_replaced_mid_load_stays_registered_until_the_copy_ran(monkeyp
     assert _same(pool, _expected(chunks, slots, 0))
     assert unregistered == [seg.data_ptr()] and gt._retired == []  # released once it ran
     gt.close()
+
+
+def test_store_chunks_stay_intact_while_a_pickle_load_uses_staging():
+    """The store's chunks are serialised after it returns: a load's staging must not be
+    the buffer they live in."""
+    src = _pool(fill=True)
+    slots = torch.randperm(512)[:2 * 16]
+    gt = GpuTransfer("cpu", pieces=1)
+    got = gt.store(LAYOUT, src, slots, [0, 1], out=None)
+    want = [t.clone() for t in got]
+    other = [torch.randn(LAYOUT.chunk_shape).to(LAYOUT.dtype) for _ in range(2)]
+    pool, dst = _pool(), torch.randperm(512)[:2 * 16]
+    gt.load(LAYOUT, other, pool, dst, 0, from_segment=False)  # stages the same byte count
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), "the store's bytes changed"
+    assert _same(pool, _expected(other, dst, 0))
+
+
+def test_a_store_never_takes_the_staging_a_queued_load_still_reads(monkeypatch):
+    """A pickle load staged its chunks and is about to copy them: a store in between must
+    take another buffer, not overwrite the staged bytes."""
+    import connectors.gpu_transfer as gt_mod
+    gt = GpuTransfer("cpu", pieces=1)
+    chunks = [torch.randn(LAYOUT.chunk_shape).to(LAYOUT.dtype) for _ in range(2)]
+    pool, slots = _pool(), torch.randperm(512)[:2 * 16]
+    step = Stepped(monkeypatch, gt_mod, "_copy_chunks")  # staged, not yet copied
+    with step.held(lambda: gt.load(LAYOUT, chunks, pool, slots, 0, from_segment=False)):
+        stored = gt.store(LAYOUT, _pool(fill=True), torch.randperm(512)[:2 * 16], [0, 1],
+                          out=None)
+        assert len(stored) == 2
+    step.result()
+    assert _same(pool, _expected(chunks, slots, 0)), "the load copied the store's bytes"
+
+
+def test_staging_is_handed_out_again_only_after_the_copy_that_used_it():
+    """Given back with its copy's event, a buffer is written by the next owner only once
+    that event completed; with every buffer owned, a taker waits (bounded), then fails
+    typed."""
+    from connectors.gpu_transfer import _PinnedRing
+    ring = _PinnedRing(size=1)
+    i, buf = ring.take(8, pin=False)
+    ev = _Ev()
+    ring.give(i, ev)  # the copy reading it is queued, not done
+    j, buf2 = ring.take(8, pin=False)
+    assert j == i and ev.done, "handed out before the copy that read it completed"
+    with pytest.raises(GpuTransferError, match="staging_busy"):
+        ring.take(8, pin=False, wait_s=0.05)
+    ring.give(j, None)
+    assert ring.take(8, pin=False)[0] == i
