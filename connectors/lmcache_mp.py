@@ -188,7 +188,6 @@ class LMCacheMPConnector:
         self.transport = transport or ZmqTransport(endpoint, connect_timeout_s=connect_timeout_s)
         self._shm: _ShmPool | None = None
         self._map_lock = threading.Lock()  # one swap of _shm / _gpu at a time (readers: none)
-        self._map_lock = threading.Lock()  # one swap of _shm / _gpu at a time (readers: none)
         #: Tests only: n_chunks -> chunks per piece, pipelining any load (CPU pools too).
         self.force_pieces: Callable[[int], list[int]] | None = None
 
