@@ -119,6 +119,18 @@ class PrefetchHooks:
     def ready_to_load_host_cache(self) -> int:
         return -1
 
+    @property
+    def lookup_queue_depth(self) -> int:
+        """LOOKUPs handed to the worker and not yet settled (queued or running)."""
+        worker = getattr(self, "_worker", None)
+        return worker.depth if worker is not None else 0
+
+    @property
+    def store_queue_depth(self) -> int:
+        """STOREs queued or running; each holds a tree lock until a pass drains it."""
+        worker = getattr(self, "_store_worker", None)
+        return worker.depth if worker is not None else 0
+
     def has_pending_cache_operations(self) -> bool:
         self._drain_stores()
         return bool(self._lookups or self._stores)

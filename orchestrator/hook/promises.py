@@ -2,6 +2,14 @@
 
 Who uses it: LoadBackRadixCache only. The worker is the one place a LOOKUP runs off the
 scheduler thread; the scheduler thread only submits and polls (`resolve`), never waits.
+
+Both worker threads must outlive anything a job does: every call they make is inside a try,
+and a job settles (its Event set, its store reported completed) on every path. A thread that
+dies all the same (a BaseException past every handler) is noticed where the scheduler thread
+touches the worker (submit, poll: `ensure_alive`): a new thread takes over the queue, logged
+at ERROR the first time. Restarting, not running jobs inline: the scheduler thread must never
+wait on the daemon. Queue depths (`depth`) are what the cache exports as
+`lookup_queue_depth` / `store_queue_depth`.
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,45 +50,111 @@ class Lookup:
     abandoned: bool = False   # resolved as a miss at its deadline: the worker releases it
 
 
-class LookupWorker:
-    """One thread per cache running `match()`: the scheduler thread only polls."""
+class _Worker:
+    """One daemon thread serving a queue; `_serve` settles every job it is given."""
+
+    name = "loadback-worker"
 
     def __init__(self, orch) -> None:
         self.orch = orch
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="loadback-lookup", daemon=True)
-        self._thread.start()
+        self._closed = False
+        self.depth = 0       # jobs submitted and not yet settled (queued or running)
+        self.restarts = 0    # threads that died and were replaced
+        self._thread = self._start()
 
-    def submit(self, job: Lookup) -> None:
+    def _start(self) -> threading.Thread:
+        t = threading.Thread(target=self._run, name=self.name, daemon=True)
+        t.start()
+        return t
+
+    def ensure_alive(self) -> None:
+        """Scheduler thread (submit, poll): replace a thread that died; the jobs it left
+        queued are served by the new one (the one it was running was settled on its way
+        out)."""
+        if self._closed or self._thread.is_alive():
+            return
+        self.restarts += 1
+        if self.restarts == 1:
+            log.error("loadback: the %s thread died (an exception got past its handlers); "
+                      "a new one serves its queue", self.name)
+        else:
+            log.debug("loadback: the %s thread died again; restarted (%d times)", self.name,
+                      self.restarts)
+        self._thread = self._start()
+
+    def _queue(self, job) -> None:
+        self.ensure_alive()
+        with self._lock:
+            self.depth += 1
         self._q.put(job)
 
-    def close(self) -> None:
+    def _settled(self) -> None:
+        with self._lock:
+            self.depth -= 1
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._closed = True
         self._q.put(None)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
         while (job := self._q.get()) is not None:
-            p = job.promise
+            self._serve(job)
+
+    def _serve(self, job) -> None:
+        raise NotImplementedError
+
+    def _call(self, what: str, fn, request_id: str) -> None:
+        try:
+            fn(request_id)
+        except Exception:  # a daemon failure or a bug: the worker carries on
+            log.exception("%s %s failed", what, request_id)
+
+
+class LookupWorker(_Worker):
+    """One thread per cache running `match()`: the scheduler thread only polls."""
+
+    name = "loadback-lookup"
+
+    def __init__(self, orch) -> None:
+        super().__init__(orch)
+        self.expired = 0     # jobs dropped at dequeue, past their deadline or abandoned
+
+    def submit(self, job: Lookup) -> None:
+        self._queue(job)
+
+    def _serve(self, job: Lookup) -> None:
+        p = job.promise
+        tokens, ran = 0, False
+        try:
             with self._lock:
-                skip = job.abandoned
-            tokens = 0
-            if not skip:
-                try:
-                    tokens = promised_tokens(self.orch.match(
-                        p.request_id, p.token_ids, local_hit_tokens=p.local_tokens,
-                        cache_salt=p.salt))
-                except Exception:  # a daemon failure must not kill the worker
-                    log.exception("lookup %s failed", p.request_id)
+                # Past its deadline the answer is a miss whatever the daemon says: no
+                # LOOKUP (nor prepare_retrieve) pins the daemon's memory for it.
+                skip = job.abandoned or time.monotonic() >= job.deadline
+            if skip:
+                self.expired += 1
+                log.debug("lookup %s not sent: past its deadline or dropped", p.request_id)
+            else:
+                ran = True
+                tokens = promised_tokens(self.orch.match(
+                    p.request_id, p.token_ids, local_hit_tokens=p.local_tokens,
+                    cache_salt=p.salt))
+        except Exception:  # a daemon failure must not kill the worker
+            log.exception("lookup %s failed", p.request_id)
+        finally:
             with self._lock:
                 job.tokens = tokens
-                late = job.abandoned
+                late = ran and job.abandoned
                 job.done.set()
-            if late:
-                self.orch.abort(p.request_id)  # settled after its deadline: release it
+            self._settled()
+            if late:  # settled after its deadline: this thread releases it
+                self._call("releasing late lookup", self.orch.abort, p.request_id)
 
     def resolve(self, job: Lookup, now: float) -> int | None:
         """Tokens promised, or None while the LOOKUP may still answer in time."""
+        self.ensure_alive()
         with self._lock:
             if job.abandoned:
                 return 0  # a miss for good: the worker releases whatever it got
@@ -111,20 +186,33 @@ class StoreJob:
     stored: bool = False
 
 
-class StoreWorker:
+class StoreWorker(_Worker):
     """One thread per cache running `store()` (bounded by deadlines.store_ms) and the session
-    end behind it, so a finished request never holds the scheduler thread."""
+    end behind it, so a finished request never holds the scheduler thread. At most
+    `max_queued` stores wait or run at once: each holds a tree lock on its slots, so an
+    unbounded queue behind a slow daemon would leave nothing in the KV pool to evict."""
 
-    def __init__(self, orch) -> None:
-        self.orch = orch
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+    name = "loadback-store"
+
+    def __init__(self, orch, *, max_queued: int = 64) -> None:
+        if max_queued < 1:
+            raise ValueError(f"StoreWorker max_queued must be at least 1, got {max_queued}")
         self.completed: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="loadback-store", daemon=True)
-        self._thread.start()
+        self.max_queued = max_queued
+        self.skipped = 0     # stores not queued: max_queued were waiting or running
+        super().__init__(orch)
+
+    def has_room(self, request_id: str) -> bool:
+        """Scheduler thread, before it locks the store's node: False (counted, logged at
+        DEBUG) when the queue is full and the store is skipped."""
+        if self.depth < self.max_queued:
+            return True
+        self.skipped += 1
+        log.debug("store %s skipped: %d stores already queued", request_id, self.depth)
+        return False
 
     def submit(self, job: StoreJob) -> None:
-        self._q.put(job)
+        self._queue(job)
 
     def finish_after(self, job: StoreJob) -> bool:
         """End the session once the store is through; False when it already is (the caller
@@ -135,19 +223,19 @@ class StoreWorker:
             job.finish = True
             return True
 
-    def close(self, timeout_s: float) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=timeout_s)
-
-    def _run(self) -> None:
-        while (job := self._q.get()) is not None:
-            try:
-                self.orch.store(job.request_id, job.token_ids, job.slots, cache_salt=job.salt)
-            except Exception:  # counted by the orchestrator; the worker carries on
-                log.exception("store %s failed", job.request_id)
+    def _serve(self, job: StoreJob) -> None:
+        try:
+            self.orch.store(job.request_id, job.token_ids, job.slots, cache_salt=job.salt)
+        except Exception:  # counted by the orchestrator; the worker carries on
+            log.exception("store %s failed", job.request_id)
+        finally:
+            # Whatever happened, the job completes: its node is unlocked at the next pass.
             with self._lock:
                 job.stored = True
                 finish = job.finish
-            if finish:
-                self.orch.finish(job.request_id)
-            self.completed.put(job)
+            try:
+                if finish:
+                    self._call("ending the session of", self.orch.finish, job.request_id)
+            finally:
+                self._settled()
+                self.completed.put(job)

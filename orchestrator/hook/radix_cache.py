@@ -142,6 +142,8 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
     def _drain_stores(self) -> None:
         """Scheduler thread: unlock the nodes of stores that went through."""
         worker = self._store_worker
+        if worker is not None:
+            worker.ensure_alive()
         while worker is not None and not worker.completed.empty():
             job = worker.completed.get_nowait()
             if self._stores.get(job.handle) is job:
@@ -417,6 +419,8 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
             n = len(slots) // self.chunk_size * self.chunk_size
             if n == 0 or handle in self._stores:
                 return
+            if not self._store_worker.has_room(p.request_id):
+                return  # the store queue is full: skipped (counted), its node never locked
             # The node stays locked (its slots unevictable) until the store went through.
             node = base.last_device_node
             taken = self.inc_lock_ref(node)

@@ -6,6 +6,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from array import array
 from pathlib import Path
 
@@ -272,13 +273,16 @@ def test_lookup_answered_after_its_deadline_stays_a_miss():
 
     worker = LookupWorker(SlowOrchestrator())
     try:
-        job = Lookup(Promise("r#0.1", array("q", range(64)), "", 0), deadline=0.0)
+        # A deadline still ahead when the worker dequeues it (a job already past its deadline
+        # is never sent); the scheduler's passes below are at and after it.
+        job = Lookup(Promise("r#0.1", array("q", range(64)), "", 0),
+                     deadline=time.monotonic() + 60)
         worker.submit(job)
         assert asked.wait(10)                             # the LOOKUP is in flight
-        assert worker.resolve(job, now=1.0) == 0          # past its deadline: a miss
+        assert worker.resolve(job, now=job.deadline) == 0  # at its deadline: a miss
         answer.set()
         assert job.done.wait(10)
         wait_for(lambda: aborted == ["r#0.1"], 10, "the late answer released")
-        assert worker.resolve(job, now=2.0) == 0          # still a miss, never 64
+        assert worker.resolve(job, now=job.deadline + 1) == 0  # still a miss, never 64
     finally:
         worker.close()

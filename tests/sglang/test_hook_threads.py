@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 
@@ -18,6 +19,7 @@ from .conftest import (
     NEW_API,
     Sched,
     fresh_ids,
+    kv_matches,
     make_config,
     tree_consistent,
     wait_for,
@@ -62,6 +64,39 @@ def hold_after(obj, name: str, gate: Gate):
 
     setattr(obj, name, held)
     return real
+
+
+def hold_before(obj, name: str, gate: Gate):
+    """The first call of `obj.name` on the gate's thread stops before it runs."""
+    real = getattr(obj, name)
+
+    def held(*args, **kwargs):
+        gate.hold()
+        return real(*args, **kwargs)
+
+    setattr(obj, name, held)
+    return real
+
+
+def fail_once_on(obj, name: str, thread: str, exc: BaseException, *, after: bool = True):
+    """`obj.name` raises `exc` once on `thread` (after the real call when `after`);
+    returns the list the request ids it raised for land in."""
+    real = getattr(obj, name)
+    raised: list = []
+
+    def failing(*args, **kwargs):
+        mine = threading.current_thread().name.startswith(thread) and not raised
+        if mine and not after:
+            raised.append(args[0] if args else None)
+            raise exc
+        out = real(*args, **kwargs)
+        if mine:
+            raised.append(args[0] if args else None)
+            raise exc
+        return out
+
+    setattr(obj, name, failing)
+    return raised
 
 
 def make(make_cache, port: int):
@@ -167,3 +202,174 @@ def test_miss_at_deadline_never_becomes_a_live_promise(live_daemon, make_cache, 
     assert errors(caplog) == []
     assert delta(before, outcomes(orch)) == {
         "loadback_prefix_outcomes_total{reason=aborted,state=degraded}": 1.0}
+
+
+def release(req, cache) -> None:
+    """SGLang's release_kv_cache of a finished request, without the scheduler passes that
+    drain the STORE behind it (Sched.finish minus settle)."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    req.finished_reason = FINISH_LENGTH(length=0)
+    release_kv_cache(req, cache, checkpoint=True)
+
+
+def loads_back(s: Sched, ids, rid: str) -> None:
+    """A later request loads `ids` back, byte-exact, and finishes cleanly."""
+    r = s.new_req(rid, ids + [7])
+    got = s.admit(r)
+    assert got["loaded"] == len(ids) and kv_matches(s.pool, got["loaded_slots"], ids, 0)
+    s.finish(r)
+    s.flush()
+    tree_consistent(s.cache, idle=True)
+
+
+# ------------------------------------------------- defect 3: workers that keep working
+
+
+def test_raising_finish_on_the_store_worker_does_not_stop_later_stores(live_daemon,
+                                                                      make_cache):
+    cache, s = make(make_cache, live_daemon.port)
+    orch = cache.orch
+    gate = Gate(STORE_THREAD)
+    hold_before(orch, "store", gate)
+    raised = fail_once_on(orch, "finish", STORE_THREAD, RuntimeError("end_session failed"))
+    a = s.new_req("a", fresh_ids(2 * CHUNK) + [1])
+    s.admit(a)
+    release(a, cache)         # the STORE is held: the session end is left to the worker
+    gate.wait_reached()
+    gate.go.set()
+    s.settle()                # the store's node is unlocked although its finish raised
+    assert len(raised) == 1 and raised[0].startswith(a.rid)  # it raised, on the worker
+    assert cache.protected_size() == 0
+    ids = fresh_ids(4 * CHUNK)
+    store(s, ids)             # later stores still go through, and unlock their nodes
+    tree_consistent(cache, idle=True)
+    loads_back(s, ids, "b")
+    daemon_idle(live_daemon, orch)
+
+
+def test_raising_abort_on_the_lookup_worker_does_not_stop_later_lookups(live_daemon,
+                                                                       make_cache):
+    cache, s, ids = stored(make_cache, live_daemon)
+    orch = cache.orch
+    gate = Gate(LOOKUP_THREAD)
+    hold_after(orch, "match", gate)
+    raised = fail_once_on(orch, "abort", LOOKUP_THREAD, RuntimeError("release failed"))
+    a = s.new_req("a", ids + [5])
+    s.prefetch(a)
+    job = cache._lookups[a.cache_request_handle]
+    gate.wait_reached()
+    s.poll(a)                 # a miss at its deadline: the worker releases its late hit
+    gate.go.set()
+    assert job.done.wait(10)
+    wait_for(lambda: raised, 10, "the worker's release of the late LOOKUP")
+    s.abort(a)
+    loads_back(s, ids, "b")   # the next LOOKUP is answered by the same worker
+    daemon_idle(live_daemon, orch)
+
+
+def test_lookups_past_their_deadline_never_reach_the_daemon(live_daemon, make_cache,
+                                                            caplog):
+    """A burst queued behind a LOOKUP the worker is held in; by the time the worker gets
+    to them their deadlines have passed (the scheduler has not polled them yet): none is
+    sent, each resolves as a miss, nothing is left on the daemon."""
+    cache, s, ids = stored(make_cache, live_daemon)
+    orch = cache.orch
+    gate = Gate(LOOKUP_THREAD)
+    hold_after(orch, "match", gate)
+    first = s.new_req("first", ids + [1])
+    s.prefetch(first)
+    gate.wait_reached()
+    sent: list[str] = []
+    conn = orch.connector
+    for name in ("lookup", "lookup_hit_tokens"):
+        def counted(*args, _real=getattr(conn, name), _name=name, **kwargs):
+            sent.append(_name)
+            return _real(*args, **kwargs)
+        setattr(conn, name, counted)
+    burst = [s.new_req(f"burst{i}", ids + [10 + i]) for i in range(6)]
+    for r in burst:
+        s.prefetch(r)
+    jobs = [cache._lookups[r.cache_request_handle] for r in burst]
+    held_depth = getattr(cache, "lookup_queue_depth", None)
+    last = max(j.deadline for j in jobs)
+    wait_for(lambda: time.monotonic() > last, 10, "the burst's deadlines to pass")
+    gate.go.set()
+    for j in jobs:
+        assert j.done.wait(10)
+    assert sent == []
+    assert held_depth == 1 + len(burst)
+    assert cache.lookup_queue_depth == 0 and cache._worker.expired == len(burst)
+    for r in burst:
+        s.poll(r)
+        assert s.match(r).host_hit_length == 0
+        s.abort(r)
+    s.abort(first)
+    daemon_idle(live_daemon, orch)
+    assert errors(caplog) == []
+    assert orch.live_prefixes() == 0
+
+
+def test_store_queue_is_bounded_and_a_skipped_store_locks_nothing(live_daemon, make_cache):
+    cache, s = make(make_cache, live_daemon.port)
+    orch = cache.orch
+    worker = cache._store_worker
+    worker.max_queued = 2
+    gate = Gate(STORE_THREAD)
+    hold_before(orch, "store", gate)
+    reqs = [s.new_req(f"q{i}", fresh_ids(2 * CHUNK) + [1]) for i in range(4)]
+    for r in reqs:
+        s.admit(r)
+        release(r, cache)
+    gate.wait_reached()
+    assert cache.protected_size() == 2 * (2 * CHUNK)  # only the queued stores' nodes
+    assert cache.store_queue_depth == 2 and worker.skipped == 2
+    tree_consistent(cache)
+    gate.go.set()
+    s.settle()
+    assert cache.store_queue_depth == 0 and cache.protected_size() == 0
+    tree_consistent(cache, idle=True)
+    daemon_idle(live_daemon, orch)
+
+
+@pytest.mark.parametrize("which", ["store", "lookup"])
+def test_a_dead_worker_thread_is_noticed_and_replaced(live_daemon, make_cache, caplog,
+                                                     which):
+    """A BaseException gets past every handler and ends the thread: its job still settles,
+    the next submit or poll starts a new thread (one ERROR), later work goes through."""
+    cache, s, ids = stored(make_cache, live_daemon)
+    orch = cache.orch
+    thread, method = {"store": (STORE_THREAD, "store"), "lookup": (LOOKUP_THREAD, "match")}[which]
+    gate = Gate(thread)
+    worker = cache._store_worker if which == "store" else cache._worker
+    dead = worker._thread
+    fail_once_on(orch, method, thread, SystemExit(), after=False)
+    hold_before(orch, method, gate)
+    if which == "store":
+        a = s.new_req("a", fresh_ids(2 * CHUNK) + [1])
+        s.admit(a)
+        release(a, cache)
+        gate.wait_reached()
+        gate.go.set()
+        wait_for(lambda: not dead.is_alive(), 10, "the store thread to die")
+        s.settle()            # its node was unlocked all the same
+        assert cache.protected_size() == 0
+        ids = fresh_ids(4 * CHUNK)
+        store(s, ids)
+    else:
+        a = s.new_req("a", ids + [5])
+        s.prefetch(a)
+        job = cache._lookups[a.cache_request_handle]
+        gate.wait_reached()
+        gate.go.set()
+        assert job.done.wait(10)
+        wait_for(lambda: not dead.is_alive(), 10, "the lookup thread to die")
+        s.poll(a)
+        assert s.match(a).host_hit_length == 0
+        s.abort(a)
+    assert worker._thread is not dead and worker._thread.is_alive() and worker.restarts == 1
+    loads_back(s, ids, "b")
+    daemon_idle(live_daemon, orch)
+    died = [m for m in errors(caplog) if "died" in m]
+    assert len(died) == 1, errors(caplog)
