@@ -39,6 +39,17 @@ def _deadlines_line(cfg) -> str:
             "its own deadline, then it recomputes")
 
 
+def _engines_arg(text: str) -> int:
+    """`chaos run --engines`: an integer 1..32."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of engines, 1..32, got {text!r}") from None
+    if not 1 <= n <= 32:
+        raise argparse.ArgumentTypeError(f"engines must be 1..32 (one daemon shared by N engines), got {n}")
+    return n
+
+
 def _config_cmd(args: argparse.Namespace) -> int:
     from .config import ConfigError, LoadBackConfig
 
@@ -126,9 +137,17 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("chaos", help="break the daemon on purpose and check the invariants")
     csub = p.add_subparsers(dest="chaos_cmd", required=True)
-    cr = csub.add_parser("run")
+    cr = csub.add_parser("run", formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog="example: loadback chaos run --scenario kill --engines 4 "
+                         "--requests 100\n  4 engines share one daemon; in each of 100 rounds "
+                         "all 4 issue a request at once")
     cr.add_argument("--scenario", default="all")
-    cr.add_argument("--requests", type=int, default=0, help="requests per scenario (0 = its own)")
+    cr.add_argument("--requests", type=int, default=0, help="requests per scenario (0 = its "
+                    "own); with --engines, rounds: each engine makes this many")
+    cr.add_argument("--engines", type=_engines_arg, default=1, metavar="N",
+                    help="engines sharing the one daemon (1..32, default 1), each with its own "
+                    "connector, orchestrator, metrics and KV pool, on its own thread; every "
+                    "round all N issue a request at the same instant (a burst)")
     cr.add_argument("--json", metavar="FILE")
     cr.set_defaults(fn=lambda a: __import__("orchestrator.tools.chaos", fromlist=["run"]).run(a))
 

@@ -10,13 +10,25 @@ overshoot is reported too), leaked (slots, read locks, sessions, debts still owe
 bytes (loaded KV differing from a recompute), counters (metrics equal to the outcomes the
 engine saw), recovery (fault end -> first hit) and, where a scenario names them in
 `expect_logged`, the daemon errors the orchestrator logged (e.g. VersionSkew).
+
+With `engines=N` (`--engines N`), N engines share the one daemon, each with its own
+connector (instance id), orchestrator and metrics registry, KV pool, slot allocator and
+request names (`e{i}-req-{n}`), on its own thread. The run is then `requests` rounds: in each
+round every engine issues one request at the same instant (a threading.Barrier), paced by
+`request_interval_ms`; faults begin and end at round indices. The engines share the system
+prompts, so one loads what another stored. Leaks, counters and threads are judged per
+engine (the daemon's locks and sessions once), plus the deepest queue of owed releases and
+any heartbeat, releaser or engine thread found dead. An engine stuck in a round past
+ROUND_TIMEOUT_S breaks the barrier: it counts as hung and the run ends there.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +46,7 @@ from connectors.lmcache_mp import LMCacheMPConnector
 from .bench.common import percentile, progress_bar
 from ..config import LoadBackConfig
 from ..core import LoadBackOrchestrator
+from ..instruments import product_metrics
 from ..resources import configs_dir
 from .workload import Engine, SlotAllocator, Workload
 
@@ -92,12 +105,21 @@ class Result:
     errors_logged: dict[str, int] = field(default_factory=dict)
     #: expect_logged entries the orchestrator never logged.
     missing_errors: list[str] = field(default_factory=list)
+    #: Engines sharing the daemon (`--engines`); requests, loads and leaks are their sums.
+    engines: int = 1
+    #: The most owed releases any engine's DaemonLink held at once, sampled after each round.
+    max_debts_queued: int = 0
+    #: Orchestrator threads (heartbeat, releaser) or engine threads found dead while they
+    #: should have been running: each is an invariant failure.
+    dead_threads: list[str] = field(default_factory=list)
+    #: Loads of KV that the loading engine never stored itself (another engine did).
+    loaded_from_others: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return (not (self.hung or self.leaked or self.wrong_bytes or self.missing_errors)
-                and self.counters_ok)
+        return (not (self.hung or self.leaked or self.wrong_bytes or self.missing_errors
+                     or self.dead_threads) and self.counters_ok)
 
 
 class ErrorLog(logging.Handler):
@@ -191,12 +213,91 @@ def reconcile(orch: LoadBackOrchestrator, engine: Engine) -> list[str]:
     return bad
 
 
-def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=None) -> Result:
-    n_req = requests or scn.requests
+#: How long the harness waits for every engine to finish one round (its one request, whose
+#: calls are bounded by deadlines of at most a few hundred ms) before it judges the engines
+#: still inside it hung and ends the run.
+ROUND_TIMEOUT_S = 30.0
+MAX_ENGINES = 32
+
+
+@dataclass
+class Lane:
+    """One engine of the run: its own connector (own instance id), orchestrator (own metrics
+    registry), KV pool, slot allocator, workload stream and `Engine`, run on its own thread."""
+
+    index: int
+    name: str
+    conn: LMCacheMPConnector
+    orch: LoadBackOrchestrator
+    slots: SlotAllocator
+    work: Workload
+    engine: Engine
+    thread: threading.Thread | None = None
+    rounds_done: int = 0
+    error: str = ""   # the traceback that ended its thread
+
+
+def _fresh_metrics(n_engines: int):
+    """A metrics registry of one engine: `product_metrics()` must give each a fresh one, or
+    the engines' counters would add up and never reconcile per engine."""
+    m = product_metrics()
+    if n_engines > 1 and m.multiprocess:
+        raise SystemExit("chaos --engines N > 1 reconciles each engine's own counters: unset "
+                         "PROMETHEUS_MULTIPROC_DIR (in multiprocess mode every registry of a "
+                         "process reads the same files)")
+    seen = {k: v for k, v in m.snapshot().items()
+            if k.startswith(("loadback_prefix_outcomes_total", "loadback_promised_tokens_total")) and v}
+    if seen:
+        raise RuntimeError(f"product_metrics() did not give a fresh registry: {seen}")
+    return m
+
+
+def _drive(lane: Lane, barrier: threading.Barrier, stop: threading.Event, state: dict,
+           wait_s: float) -> None:
+    """An engine's thread: at each round's gate every engine is released at once and issues
+    one request; then it waits at the gate for the round's end. Ends when the harness says
+    stop, or the barrier breaks (the harness ended the run)."""
+    try:
+        while True:
+            barrier.wait(timeout=wait_s)
+            if stop.is_set():
+                return
+            prompt, local = lane.work.next_prompt()
+            lane.engine.request(prompt, local, phase=state["phase"])
+            lane.rounds_done += 1
+            barrier.wait(timeout=wait_s)
+    except threading.BrokenBarrierError:
+        return
+    except BaseException:  # a harness or product bug: the thread dies, the run ends at once
+        lane.error = traceback.format_exc()
+        barrier.abort()
+
+
+def _dead_threads(lanes: list[Lane], *, engines_alive: bool) -> set[str]:
+    """Orchestrator threads (heartbeat, releaser) and, while rounds run, engine threads that
+    are not alive."""
+    dead = set()
+    for lane in lanes:
+        dead.update(f"{lane.name}:{t.name}" for t in lane.orch.link._threads if not t.is_alive())
+        if lane.error or (engines_alive and lane.thread is not None and not lane.thread.is_alive()):
+            dead.add(lane.thread.name)
+    return dead
+
+
+def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=None,
+                 engines: int = 1) -> Result:
+    """Run one scenario: `engines` engines share one daemon, and in each of the `requests`
+    rounds every engine issues one request at the same instant (a burst). One engine is
+    the single-engine run of before, request for request."""
+    if not 1 <= engines <= MAX_ENGINES:
+        raise ValueError(f"engines must be 1..{MAX_ENGINES}, got {engines}")
+    if metrics is not None and engines > 1:
+        raise ValueError("metrics= is the one engine's registry: give none with engines > 1")
+    n_rounds = requests or scn.requests
     daemon = DaemonProcess(chunk_size=LAYOUT.chunk_size, http=True,
                            shm_name=f"lbchaos{free_port()}" if scn.transfer == "shm" else None)
     proxy = None
-    orch = None
+    lanes: list[Lane] = []
     fault, t_fault_end = scn.fault, None
     errors = ErrorLog().__enter__()
     try:
@@ -209,63 +310,122 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
             if fault.from_start:
                 _begin_fault(fault, daemon, proxy)
         cfg = base_config(int(endpoint.rsplit(":", 1)[1]), {"transfer": scn.transfer, **scn.config})
-        pool = KVPool([torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)],
-                      [torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)])
-        conn = LMCacheMPConnector(endpoint, LAYOUT, transfer=scn.transfer,
-                                  connect_timeout_s=cfg.deadlines.connect_ms / 1000)
-        orch = LoadBackOrchestrator(cfg, conn, kv_pool=pool, metrics=metrics)
-        if fault.kind != "absent_at_start" and not fault.from_start and not orch.wait_registered(30):
-            raise RuntimeError(f"{scn.name}: orchestrator never registered")
-        slots = SlotAllocator(8192)
-        work = Workload(LAYOUT, scn.seed)
-        engine = Engine(orch, pool, LAYOUT, slots, seed=scn.seed)
-        begin, stop_at = int(fault.start * n_req), int(fault.end * n_req)
+        for i in range(engines):
+            pool = KVPool([torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)],
+                          [torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)])
+            conn = LMCacheMPConnector(endpoint, LAYOUT, transfer=scn.transfer,
+                                      connect_timeout_s=cfg.deadlines.connect_ms / 1000)
+            orch = LoadBackOrchestrator(cfg, conn, kv_pool=pool,
+                                        metrics=metrics or _fresh_metrics(engines))
+            slots = SlotAllocator(8192)
+            name = f"e{i}" if engines > 1 else ""
+            lanes.append(Lane(i, name or "e0", conn, orch, slots,
+                              Workload(LAYOUT, scn.seed, stream=i),
+                              Engine(orch, pool, LAYOUT, slots, seed=scn.seed + i, name=name)))
+        if fault.kind != "absent_at_start" and not fault.from_start:
+            for lane in lanes:
+                if not lane.orch.wait_registered(30):
+                    raise RuntimeError(f"{scn.name}: orchestrator {lane.name} never registered")
+        state = {"phase": ""}
+        barrier = threading.Barrier(engines + 1)
+        stop = threading.Event()
+        engine_wait_s = scn.max_seconds + 2 * ROUND_TIMEOUT_S + 300  # a backstop only
+        for lane in lanes:
+            lane.thread = threading.Thread(target=_drive, name=f"chaos-engine-{lane.index}",
+                                           args=(lane, barrier, stop, state, engine_wait_s),
+                                           daemon=True)
+            lane.thread.start()
+        begin, stop_at = int(fault.start * n_rounds), int(fault.end * n_rounds)
         deadline = time.monotonic() + scn.max_seconds
-        phase = ""
         due = time.monotonic()
-        for i in range(n_req):
-            if time.monotonic() > deadline:
-                break
-            # Paced from the previous request, never a burst to catch up after a stall.
-            wait = due - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
-            due = time.monotonic() + scn.request_interval_ms / 1000
-            if fault.kind not in ("none", "absent_at_start") and i == begin and not fault.from_start:
-                _begin_fault(fault, daemon, proxy)
-            if fault.kind != "none" and i == stop_at:
-                _end_fault(fault, daemon, proxy)
-                t_fault_end, phase = time.monotonic(), "recovery"
-            prompt, local = work.next_prompt()
-            engine.request(prompt, local, phase=phase)
-            if progress:
-                progress(scn.name, i + 1, n_req)
+        max_debts, dead, hung_engines, rounds = 0, set(), [], 0
+        try:
+            for i in range(n_rounds):
+                if time.monotonic() > deadline:
+                    break
+                # Paced from the previous round, never a burst to catch up after a stall.
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                due = time.monotonic() + scn.request_interval_ms / 1000
+                if fault.kind not in ("none", "absent_at_start") and i == begin and not fault.from_start:
+                    _begin_fault(fault, daemon, proxy)
+                if fault.kind != "none" and i == stop_at:
+                    _end_fault(fault, daemon, proxy)
+                    t_fault_end, state["phase"] = time.monotonic(), "recovery"
+                try:
+                    barrier.wait(timeout=ROUND_TIMEOUT_S)  # the gate: all engines at once
+                    rounds += 1
+                    barrier.wait(timeout=ROUND_TIMEOUT_S)  # every engine's request returned
+                except threading.BrokenBarrierError:
+                    # An engine died (dead_threads), or one is stuck inside its request: hung
+                    # (a broken barrier nobody can be blamed for counts as one hung engine).
+                    if not any(lane.error for lane in lanes):
+                        hung_engines = [lane.name for lane in lanes if lane.rounds_done < rounds
+                                        and lane.thread.is_alive()] or ["(barrier broken)"]
+                    break
+                max_debts = max(max_debts, *(lane.orch.pending_debts() for lane in lanes))
+                dead |= _dead_threads(lanes, engines_alive=True)
+                if progress:
+                    progress(scn.name, i + 1, n_rounds)
+        finally:
+            stop.set()
+            if not barrier.broken:
+                try:
+                    barrier.wait(timeout=ROUND_TIMEOUT_S)  # releases the engines: they see stop
+                except threading.BrokenBarrierError:
+                    pass
+            barrier.abort()
+            for lane in lanes:
+                lane.thread.join(timeout=5)
+        dead |= _dead_threads(lanes, engines_alive=False)
         if proxy is not None:
             proxy.clear()
-        leaks = _leaks(orch, engine, daemon, slots, conn)
+        leaks, by_engine = _leaks(lanes, daemon)
+        dead |= _dead_threads(lanes, engines_alive=False)
         # A hostile payload that ran would leave its marker file: count it as wrong bytes.
         ran = sum(1 for r in fault.rules if r.get("payload_path") and Path(r["payload_path"]).exists())
-        mismatches = reconcile(orch, engine)
-        t = engine.tally
-        hit_at = t.first_hit_after.get("recovery")
+        mismatches = [f"{lane.name}: {m}" if engines > 1 else m
+                      for lane in lanes for m in reconcile(lane.orch, lane.engine)]
+        tallies = [lane.engine.tally for lane in lanes]
+        worst_lane = max(lanes, key=lambda lane: lane.engine.tally.worst_overshoot_s)
+        worst = worst_lane.engine.tally
+        return_times = [x for t in tallies for x in t.return_times]
+        hits = [t.first_hit_after["recovery"] for t in tallies if "recovery" in t.first_hit_after]
+        degraded = Counter()
+        for t in tallies:
+            degraded.update(t.degraded)
         logged = dict(sorted(errors.seen.items()))
         return Result(
-            name=scn.name, requests=t.requests, hung=t.hung, leaked=sum(leaks.values()),
-            wrong_bytes=t.wrong_bytes + ran, counters_ok=not mismatches,
-            p99_return_s=percentile(t.return_times, 99), degraded=dict(sorted(t.degraded.items())),
-            recovery_s=(hit_at - t_fault_end) if hit_at and t_fault_end else None,
-            loaded=t.loaded, loaded_tokens=t.loaded_tokens, recomputed_tokens=t.recomputed_tokens,
+            name=scn.name, requests=sum(t.requests for t in tallies),
+            hung=sum(t.hung for t in tallies) + len(hung_engines), leaked=sum(leaks.values()),
+            wrong_bytes=sum(t.wrong_bytes for t in tallies) + ran, counters_ok=not mismatches,
+            p99_return_s=percentile(return_times, 99), degraded=dict(sorted(degraded.items())),
+            recovery_s=(min(hits) - t_fault_end) if hits and t_fault_end else None,
+            loaded=sum(t.loaded for t in tallies),
+            loaded_tokens=sum(t.loaded_tokens for t in tallies),
+            recomputed_tokens=sum(t.recomputed_tokens for t in tallies),
             leaks=leaks, counter_mismatches=mismatches,
-            worst_overshoot_ms=(t.worst_overshoot_s * 1000 if t.return_times else None),
-            worst_overshoot_detail=t.worst_overshoot_detail,
+            worst_overshoot_ms=(worst.worst_overshoot_s * 1000 if return_times else None),
+            worst_overshoot_detail=worst.worst_overshoot_detail | (
+                {"engine": worst_lane.name} if engines > 1 and worst.worst_overshoot_detail else {}),
             errors_logged=logged, missing_errors=[e for e in scn.expect_logged if not errors.logged(e)],
-            extra={"late_replies": conn.late_replies, "load_times": t.load_times,
-                   "proxy": proxy.stats if proxy is not None else {}},
+            engines=engines, max_debts_queued=max_debts, dead_threads=sorted(dead),
+            loaded_from_others=sum(t.loaded_from_others for t in tallies),
+            extra={"late_replies": sum(lane.conn.late_replies for lane in lanes),
+                   "load_times": [x for t in tallies for x in t.load_times],
+                   "proxy": proxy.stats if proxy is not None else {},
+                   "rounds": rounds, "hung_engines": hung_engines,
+                   "engine_errors": {lane.name: lane.error for lane in lanes if lane.error},
+                   "per_engine": [{"name": lane.name, "requests": t.requests, "loaded": t.loaded,
+                                   "loaded_from_others": t.loaded_from_others, "hung": t.hung,
+                                   "leaks": by_engine[lane.index]}
+                                  for lane, t in zip(lanes, tallies)]},
         )
     finally:
         errors.__exit__()
-        if orch is not None:
-            orch.close()
+        for lane in lanes:
+            lane.orch.close()
         if proxy is not None:
             proxy.close()
         daemon.resume()
@@ -293,30 +453,34 @@ def _end_fault(fault: Fault, daemon: DaemonProcess, proxy: FaultProxy | None) ->
         proxy.clear()
 
 
-def _leaks(orch: LoadBackOrchestrator, engine: Engine, daemon: DaemonProcess,
-           slots: SlotAllocator, conn: LMCacheMPConnector,
-           settle_s: float = 15.0) -> dict[str, int]:
+def _leaks(lanes: list, daemon: DaemonProcess,
+           settle_s: float = 15.0) -> tuple[dict[str, int], list[dict[str, int]]]:
     """After the run: wait (bounded) until the daemon has answered or dropped everything sent
-    to it (a call it still holds can re-create a session or take locks once served; calls to
-    a replaced daemon count 0) and every owed release is paid, then count what is held."""
+    to it by every engine (a call it still holds can re-create a session or take locks once
+    served; calls to a replaced daemon count 0) and every owed release is paid, then count
+    what is held: per engine (slots, live prefixes, debts, unanswered calls) and, once, the
+    daemon's read locks and sessions, which the engines share. Returns (the sum, each
+    engine's part); `lanes` need `.orch`, `.slots` and `.conn`."""
     end = time.monotonic() + settle_s
-    held = {}
     while True:
-        orch.wake()
         running = bool(daemon.proc and daemon.proc.poll() is None)
-        # Read before the daemon's state: 0 means all sent so far was served or dropped.
-        unanswered = conn.unanswered() if running else 0
+        by_engine = []
+        for lane in lanes:
+            lane.orch.wake()
+            by_engine.append({
+                "kv_slots": lane.slots.outstanding,
+                "live_prefixes": lane.orch.live_prefixes(),
+                "debts_owed": lane.orch.pending_debts(),
+                # Read before the daemon's state: 0 means all sent so far was served or dropped.
+                "unanswered_calls": lane.conn.unanswered() if running else 0,
+            })
         held = daemon.held() if running else {}
-        live = {
-            "kv_slots": slots.outstanding,
-            "live_prefixes": orch.live_prefixes(),
-            "debts_owed": orch.pending_debts(),
-            "unanswered_calls": unanswered,
+        live = {k: sum(e[k] for e in by_engine) for k in by_engine[0]} | {
             "read_locks": held.get("read_locks", 0),
             "sessions": held.get("sessions", 0),
         }
         if not any(live.values()) or time.monotonic() > end:
-            return live
+            return live, by_engine
         time.sleep(0.05)
 
 
@@ -347,14 +511,15 @@ def print_results(results: list[Result]) -> None:
     rows = []
     for r in results:
         deg = ", ".join(f"{k}={v}" for k, v in r.degraded.items()) or "-"
-        rows.append([r.name, r.requests, r.hung,
+        rows.append([r.name, r.engines, r.requests, r.hung,
                      "-" if r.worst_overshoot_ms is None else f"{r.worst_overshoot_ms:+.1f}",
                      r.leaked, r.wrong_bytes,
                      "yes" if r.counters_ok else "NO", f"{r.p99_return_s * 1000:.1f}",
                      "-" if r.recovery_s is None else f"{r.recovery_s:.2f}",
-                     r.loaded, deg])
-    print_table(["scenario", "requests", "hung", "worst over ms", "leaked", "wrong", "counters ok",
-                 "p99 ms", "recovery s", "loaded", "degraded by reason"], rows)
+                     r.loaded, r.max_debts_queued, deg])
+    print_table(["scenario", "engines", "requests", "hung", "worst over ms", "leaked", "wrong",
+                 "counters ok", "p99 ms", "recovery s", "loaded", "max queued",
+                 "degraded by reason"], rows)
     for r in results:
         for m in r.counter_mismatches:
             print(f"  {r.name}: counter mismatch: {m}")
@@ -367,18 +532,27 @@ def print_results(results: list[Result]) -> None:
                   f"for a CPU (OS run queue), {d['own_cpu_ms']:.1f} ms on its CPU, "
                   f"{d['blocked_ms']:.1f} ms blocked while this process's other threads used "
                   f"{d['other_threads_cpu_ms']:.1f} ms of CPU")
+        if r.dead_threads:
+            print(f"  {r.name}: threads dead while they should run: {', '.join(r.dead_threads)}")
+        for name, tb in r.extra.get("engine_errors", {}).items():
+            print(f"  {r.name}: engine {name} died: {tb.strip().splitlines()[-1]}")
+        if r.extra.get("hung_engines"):
+            print(f"  {r.name}: engines stuck in a round past {ROUND_TIMEOUT_S:g} s (the run ended "
+                  f"there): {', '.join(r.extra['hung_engines'])}")
         for e in r.missing_errors:
             print(f"  {r.name}: the orchestrator never logged {e} (logged: {r.errors_logged or 'none'})")
 
 
 def run(args) -> int:
     scenarios = load_scenarios(args.scenario)
+    engines = getattr(args, "engines", 1)
+    more = {"engines": engines} if engines != 1 else {}
     results = []
     t0 = time.monotonic()
     progress = Progress()
     try:
         for scn in scenarios:
-            results.append(run_scenario(scn, args.requests, progress=progress))
+            results.append(run_scenario(scn, args.requests, progress=progress, **more))
     finally:
         progress.close()
     print_results(results)

@@ -92,18 +92,25 @@ class Tally:
     #: other threads of this process used meanwhile.
     worst_overshoot_detail: dict = field(default_factory=dict)
     first_hit_after: dict[str, float] = field(default_factory=dict)
+    #: Loads whose KV this engine never sent to the daemon itself: another engine stored it.
+    loaded_from_others: int = 0
 
 
 class Workload:
-    """Shared system prompts, multi-turn continuations and one-off prompts."""
+    """Shared system prompts, multi-turn continuations and one-off prompts.
+
+    `stream`: engines of one deployment share the system prompts of `seed` but each draws its
+    own conversations and one-off prompts (stream 0 is the single-engine sequence)."""
 
     def __init__(self, layout: KVLayout, seed: int, *, system_prompts: int = 4,
-                 system_tokens: tuple[int, int] = (256, 768), turn_tokens: tuple[int, int] = (32, 192)
-                 ) -> None:
+                 system_tokens: tuple[int, int] = (256, 768), turn_tokens: tuple[int, int] = (32, 192),
+                 stream: int = 0) -> None:
         self.layout = layout
         self.rng = random.Random(seed)
         self.turn_tokens = turn_tokens
         self.systems = [self._tokens(self.rng.randint(*system_tokens)) for _ in range(system_prompts)]
+        if stream:
+            self.rng = random.Random(f"{seed}:{stream}")
         self.conversations: list[list[int]] = []
 
     def _tokens(self, n: int) -> list[int]:
@@ -129,6 +136,17 @@ class Workload:
         return prompt, local
 
 
+def chunk_digests(token_ids: list[int], chunk: int) -> list[int]:
+    """A digest of each whole-chunk prefix `token_ids[:k * chunk]`, k = 1, 2, ...: what the
+    daemon keys a stored chunk by, so equal digests mean the same cached KV."""
+    h, out = 1469598103934665603, []
+    for i, t in enumerate(token_ids[:len(token_ids) // chunk * chunk], 1):
+        h = (h * 1099511628211 ^ (t + 1)) & 0xFFFFFFFFFFFFFFFF
+        if i % chunk == 0:
+            out.append(h)
+    return out
+
+
 def _thread_sched() -> tuple[int, int]:
     """(ns on a CPU, ns runnable but waiting for one) of the calling thread; zeros where
     /proc/thread-self/schedstat is missing."""
@@ -141,17 +159,24 @@ def _thread_sched() -> tuple[int, int]:
 
 
 class Engine:
-    """Drives one request at a time through match -> load_back -> prefill -> store -> finish."""
+    """Drives one request at a time through match -> load_back -> prefill -> store -> finish.
+
+    `name`: engines sharing a daemon name their requests `{name}-req-{n}` (the daemon keys
+    lookups and sessions by request id, as production engines name requests uniquely); the
+    default, no name, gives `req-{n}`."""
 
     def __init__(self, orch: LoadBackOrchestrator, pool: KVPool, layout: KVLayout,
                  slots: SlotAllocator, *, deadline_slack_s: float = 0.005,
-                 abort_ratio: float = 0.05, seed: int = 0) -> None:
+                 abort_ratio: float = 0.05, seed: int = 0, name: str = "") -> None:
         self.orch, self.pool, self.layout, self.slots = orch, pool, layout, slots
         self.slack = deadline_slack_s
         self.rng = random.Random(seed ^ 0x5EED)
         self.abort_ratio = abort_ratio
+        self.name = name
         self.tally = Tally()
         self.n = 0
+        #: chunk_digests of every prefix this engine asked the daemon to store.
+        self.stored: set[int] = set()
 
     def _timed(self, op: str, deadline_s: float, fn, *args, **kwargs):
         """Call `fn`, judge its return time against `deadline_s` (hung past it + slack), and
@@ -180,7 +205,7 @@ class Engine:
     def request(self, prompt: list[int], local: int, *, phase: str = "") -> None:
         orch, t = self.orch, self.tally
         self.n += 1
-        rid = f"req-{self.n}"
+        rid = f"{self.name}-req-{self.n}" if self.name else f"req-{self.n}"
         t.requests += 1
         held: list[torch.Tensor] = []
         try:
@@ -210,6 +235,9 @@ class Engine:
                     want = prefix_kv(self.layout, prompt, local, local + n)
                     if not torch.equal(read_kv(self.pool, self.layout, got), want):
                         t.wrong_bytes += 1
+                    whole = chunk_digests(prompt[:local + n], self.layout.chunk_size)
+                    if whole and whole[-1] not in self.stored:
+                        t.loaded_from_others += 1
                     if phase:
                         t.first_hit_after.setdefault(phase, time.monotonic())
                 else:
@@ -232,6 +260,7 @@ class Engine:
                 parts = [local_slots] + ([got] if loaded else []) + [rest]
                 all_slots = torch.cat(parts)
                 if len(all_slots) == len(prompt):
+                    self.stored.update(chunk_digests(prompt, self.layout.chunk_size))
                     orch.store(rid, prompt, all_slots)
             orch.finish(rid)
         finally:

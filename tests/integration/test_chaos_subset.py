@@ -3,9 +3,13 @@ invariant judged (`loadback chaos run --scenario all` runs them in full)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from orchestrator.tools import chaos
 from orchestrator.tools.chaos import _leaks, load_scenarios, run_scenario
+from orchestrator.tools.workload import Engine
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(300)]
 
@@ -27,6 +31,56 @@ def test_scenario_keeps_every_invariant(name, requests):
         assert r.recovery_s is not None
     if name in ("corrupt_kv", "lost_replies"):
         assert sum(r.degraded.values()) > 0  # the fault really bit
+
+
+@pytest.mark.parametrize("name", ["kill", "lost_replies"])
+def test_engines_sharing_one_daemon_in_bursts_keep_every_invariant(name):
+    """Three engines (own connectors, orchestrators, registries, pools, request names) share
+    one daemon, all three issuing a request at the same instant each round, under the fault.
+    Engines that named their requests alike collide on the daemon's request-keyed LOOKUPs:
+    read locks leak (and loads go wrong), which this test reports."""
+    (scn,) = load_scenarios(name)
+    rounds = 60
+    r = run_scenario(scn, rounds, engines=3)
+    assert r.engines == 3 and r.extra["rounds"] == rounds
+    per_engine = r.extra["per_engine"]
+    assert [e["requests"] for e in per_engine] == [rounds] * 3, per_engine
+    assert r.requests == 3 * rounds
+    assert r.hung == 0, r
+    assert r.leaked == 0, (r.leaks, per_engine)
+    assert r.wrong_bytes == 0
+    assert r.counters_ok, r.counter_mismatches
+    assert r.dead_threads == []
+    assert r.ok
+    assert r.loaded > 0 and r.recovery_s is not None
+    assert r.loaded_from_others > 0  # one engine loaded KV that another stored
+
+
+@pytest.mark.parametrize("trouble", ["stuck", "crash"])
+def test_a_stuck_or_dead_engine_ends_the_run_and_fails_it(trouble, monkeypatch):
+    """An engine stuck inside a round breaks the barrier (hung, the run ends at once); one
+    whose thread died is named in dead_threads. Either way the run returns and is not ok."""
+    monkeypatch.setattr(chaos, "ROUND_TIMEOUT_S", 1.0)
+    real = Engine.request
+
+    def request(self, prompt, local, *, phase=""):
+        if self.name == "e1" and self.n == 3:
+            if trouble == "crash":
+                raise RuntimeError("engine bug")
+            time.sleep(3)  # past the round's timeout
+            return None
+        return real(self, prompt, local, phase=phase)
+
+    monkeypatch.setattr(Engine, "request", request)
+    (scn,) = load_scenarios("baseline")
+    t0 = time.monotonic()
+    r = run_scenario(scn, 20, engines=2)
+    assert time.monotonic() - t0 < 60
+    assert not r.ok and r.extra["rounds"] < 20
+    if trouble == "stuck":
+        assert r.extra["hung_engines"] == ["e1"] and r.hung >= 1 and r.dead_threads == []
+    else:
+        assert r.dead_threads == ["chaos-engine-1"] and "engine bug" in r.extra["engine_errors"]["e1"]
 
 
 def test_unknown_scenario_names_the_known_ones():
@@ -61,6 +115,8 @@ def test_leak_check_inspects_only_after_the_daemon_served_everything_sent_to_it(
         def live_prefixes(self): return 0
         def pending_debts(self): return 0
 
-    slots = type("S", (), {"outstanding": 0})()
-    live = _leaks(Orch(), None, daemon, slots, Conn(), settle_s=2.0)
+    lane = type("Lane", (), {"orch": Orch(), "conn": Conn(),
+                             "slots": type("S", (), {"outstanding": 0})()})()
+    live, (by_engine,) = _leaks([lane], daemon, settle_s=2.0)
     assert live["sessions"] == 1 and live["unanswered_calls"] == 0
+    assert by_engine["unanswered_calls"] == 0
