@@ -184,6 +184,8 @@ class LMCacheMPConnector:
         self._gpu: GpuTransfer | None = None
         if device is not None and torch.device(device).type == "cuda":
             self._gpu = GpuTransfer(device, sync=gpu_sync)
+        #: Readers of each stored object: 1 when every rank holds its own shard of the KV.
+        self.num_kv_readers = 1
         self.instance_id = instance_id if instance_id is not None else _new_instance_id()
         self.transport = transport or ZmqTransport(endpoint, connect_timeout_s=connect_timeout_s)
         self._shm: _ShmPool | None = None
@@ -220,6 +222,7 @@ class LMCacheMPConnector:
             end=end,
             request_id=request_id,
             cache_salt=cache_salt,
+            num_kv_readers=self.num_kv_readers,
         )
 
     # -- plain operations ------------------------------------------------------
@@ -383,9 +386,11 @@ class LMCacheMPConnector:
         self._call("end_session", [request_id], timeout_s, request_id=request_id)
 
     def free_locks(self, token_ids: Sequence[int], request_id: str, start: int, end: int,
-                   timeout_s: float, *, cache_salt: str = "") -> None:
+                   timeout_s: float, *, cache_salt: str = "", shard: bool = False) -> None:
+        """free_lookup_locks of [start, end): every KV rank's share of those chunks, as the
+        group's LOOKUP locked them, or with `shard` this rank's alone."""
         if end > start:
-            key = self.key(token_ids, request_id, start=start, end=end, lookup=True,
+            key = self.key(token_ids, request_id, start=start, end=end, lookup=not shard,
                            cache_salt=cache_salt)
             self.free_lookup_locks(key, timeout_s)
 

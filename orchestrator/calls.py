@@ -70,6 +70,17 @@ class PrefixCalls:
     clock: Clock
     sleep: Callable[[float], None]
     kv_pool: object = None
+    #: Tensor parallel: the leader's LOOKUP locked every rank's shard; each rank retrieves
+    #: (and from then frees) its own. A retry of a RETRIEVE whose predecessor may have
+    #: consumed its locks would need a LOOKUP of its own, which would consume the group's
+    #: prefetch job (one per request id): such a failure degrades the group instead.
+    sharded: bool = False
+    #: Called with (request_id, epoch) before a call that touches the daemon's session.
+    touch: Callable[[str, int], None] | None = None
+
+    @property
+    def relookup(self) -> bool:
+        return not self.sharded
 
     # ---------------------------------------------------------------- LOOKUP
 
@@ -120,6 +131,7 @@ class PrefixCalls:
         (None, reason, the SlotsError to raise once the ranks agreed, if any)."""
         deadline = self.clock() + budget_s
         start, end = p.retrieve_from, p.hit_tokens
+        self._own_shard(p)
         failed: list[BaseException] = []  # this load_back's failed attempts
         relookup = [False]
         if p.prepared is not None and (self.clock() - p.prepared_at
@@ -128,6 +140,8 @@ class PrefixCalls:
             # never copy from it. Release it and ask again.
             self.drop_prepared(p)
             self.metrics.prepared_expired()
+            if not self.relookup:
+                return None, R.RETRIEVE_ERROR, None
             relookup[0] = True
 
         def attempt() -> Retrieved:
@@ -150,6 +164,8 @@ class PrefixCalls:
                 return self._send_retrieve(p, slots, start, end, left)
             except ConnectorError as exc:
                 failed.append(exc)
+                if not self.relookup and not isinstance(exc, DaemonUnavailable):
+                    exc.retry_safe = False  # a retry would need a LOOKUP of its own
                 raise
 
         def before_retry(_state) -> None:
@@ -174,6 +190,7 @@ class PrefixCalls:
         if prepare is None or getattr(self.connector, "transfer", None) != "shm":
             return True, None
         k, epoch = p.key, self.connector.epoch
+        self._own_shard(p)
         try:
             p.prepared = prepare(k.token_ids, k.request_id, start=p.retrieve_from,
                                  end=p.hit_tokens, timeout_s=timeout_s,
@@ -243,10 +260,19 @@ class PrefixCalls:
         """Free read locks [start, end) if the lease still holds them (never twice)."""
         rng = p.lease.give_back(start, end)
         if rng is not None:
-            k = p.key
+            k, shard = p.key, p.lease.shard
             self.link.owe("free_locks", k.request_id, p.lease.epoch, lambda t: (
                 self.connector.free_locks(k.token_ids, k.request_id, rng[0], rng[1], t,
-                                          cache_salt=k.cache_salt)))
+                                          cache_salt=k.cache_salt, shard=shard)))
+
+    def _own_shard(self, p: Prefix) -> None:
+        """Tensor parallel, before this rank's first prepare_retrieve of the prefix: from
+        here each rank answers for its own shard of [retrieve_from, hit) (the leader's
+        LOOKUP locked every rank's; until now the leader held them all)."""
+        if self.sharded and not p.lease.shard:
+            p.lease = Lease(p.key, p.epoch, p.retrieve_from, p.hit_tokens, shard=True)
+            if self.touch is not None:
+                self.touch(p.request_id, p.epoch)
 
     def failed(self, phase: str, exc: ConnectorError, request_id: str) -> R | None:
         """Apply the failure table's verdict: breaker, timeout counter, suspicion."""

@@ -90,6 +90,7 @@ class LoadBackOrchestrator:
         self.sleep = sleep
         self.metrics = metrics or product_metrics()
         self.tp = TPAgreement(tp_group)
+        self._store_suffix = "" if self.tp.leader else f"@rank{self.tp.rank}"
         self.breaker = CircuitBreaker(config.breaker, clock=clock, on_change=self.metrics.breaker)
         self.break_even = BreakEvenGuard(config.break_even, connector.layout.bytes_per_token)
         self._live: dict[str, Prefix] = {}
@@ -105,7 +106,7 @@ class LoadBackOrchestrator:
         self.link = DaemonLink(connector, config, self.breaker, self.metrics, background=bool(
             start_heartbeat if start_heartbeat is not None else config.heartbeat.enabled))
         self.calls = PrefixCalls(connector, self.link, self.breaker, self.metrics, clock, sleep,
-                                 kv_pool)
+                                 kv_pool, sharded=self.tp.enabled, touch=self._touch_session)
 
     # ------------------------------------------------------------------ match
 
@@ -135,10 +136,12 @@ class LoadBackOrchestrator:
         key = RequestKey.of(request_id, token_ids, cache_salt)
         epoch = self.link.registered_epoch
         p = Prefix(key, local_hit_tokens, epoch, Lease(key, epoch))
-        self._touch_session(request_id, epoch)
-        hit, reason = self.calls.lookup(p, self.config.deadlines.lookup_ms / 1000)
-        # One decision across TP ranks: a failed rank reports -1, the minimum wins.
-        agreed = self.tp.min(hit if reason is None else -1)
+        hit, reason = 0, None
+        if self.tp.leader:  # one LOOKUP for the whole TP group: the daemon keys it by id
+            self._touch_session(request_id, epoch)
+            hit, reason = self.calls.lookup(p, self.config.deadlines.lookup_ms / 1000)
+        # One decision across TP ranks: the leader's answer, or -1 if any rank failed.
+        agreed = self.tp.share(hit, ok=reason is None)
         result = "error" if agreed < 0 else "hit" if agreed > local_hit_tokens else "miss"
         self.metrics.observe_lookup(self.clock() - start, result)
         if agreed <= local_hit_tokens:
@@ -171,9 +174,12 @@ class LoadBackOrchestrator:
 
     # -------------------------------------------------------------- load_back
 
-    def load_back(self, request_id: str, slots: torch.Tensor | None) -> LoadResult:
+    def load_back(self, request_id: str, slots: torch.Tensor | None, *,
+                  decline: DegradeReason | None = None) -> LoadResult:
         """RETRIEVE the promised tokens into `slots` (one slot per promised token) within
-        the retrieve deadline. All or nothing: every promised token byte-exact, or 0."""
+        the retrieve deadline. All or nothing: every promised token byte-exact, or 0.
+        `decline`: this rank's engine will not load (the prefix degrades with that reason);
+        under tensor parallelism the call still joins the group's decision."""
         start = self.clock()
         with self._lock:
             p = self._live.get(request_id)
@@ -181,7 +187,8 @@ class LoadBackOrchestrator:
             return LoadResult(0, PrefixState(p.state) if p else None, p.reason if p else None)
         n = p.promised_tokens
         # Rank-local reasons not to try; every rank joins the same two decisions.
-        local = (R.ALLOC_FAILED if slots is None or len(slots) == 0 or self.kv_pool is None
+        local = (decline if decline is not None
+                 else R.ALLOC_FAILED if slots is None or len(slots) == 0 or self.kv_pool is None
                  else R.BAD_SLOTS if len(slots) != n
                  else R.DAEMON_RESTARTED if self.connector.epoch != p.epoch
                  else R.BREAKER_OPEN if not self.breaker.allow() else None)
@@ -220,9 +227,10 @@ class LoadBackOrchestrator:
             return False
         if len(token_ids) < self.connector.chunk_size:
             return True
-        self._touch_session(request_id, self.connector.epoch)
+        sid = self._store_session(request_id)
+        self._touch_session(sid, self.connector.epoch)
         try:
-            ok = self.connector.store_from(token_ids, request_id, self.kv_pool, slots,
+            ok = self.connector.store_from(token_ids, sid, self.kv_pool, slots,
                                            timeout_s=self.config.deadlines.store_ms / 1000,
                                            cache_salt=cache_salt)
         except ConnectorError as exc:
@@ -250,15 +258,22 @@ class LoadBackOrchestrator:
                 self._matching[request_id] = self._matching[request_id] or reason
                 return
             p = self._live.pop(request_id, None)
-            epoch = self._sessions.pop(request_id, None)
+            ended = [(sid, self._sessions.pop(sid)) for sid in
+                     (request_id, self._store_session(request_id)) if sid in self._sessions]
         if p is not None and not PrefixState(p.state).terminal:
             self._finish_degraded(p, reason)
-        if epoch is not None:
+        for sid, epoch in ended:
             # A call the daemon has not answered yet would re-create the session when
             # served: the end waits until every call of the request is answered or dropped.
-            self.link.owe("end_session", request_id, epoch,
-                          lambda t: self.connector.end_session(request_id, t),
-                          idempotent=True, ready=lambda: self._answered(request_id))
+            self.link.owe("end_session", sid, epoch,
+                          lambda t, sid=sid: self.connector.end_session(sid, t),
+                          idempotent=True, ready=lambda sid=sid: self._answered(sid))
+
+    def _store_session(self, request_id: str) -> str:
+        """The daemon session a STORE runs under. A TP rank other than the leader stores
+        under its own: ending it can then never remove the group's lookup session while
+        the leader still owes that lookup a release."""
+        return request_id + self._store_suffix
 
     def _answered(self, request_id: str) -> bool:
         return self.connector.unanswered(request_id) == 0

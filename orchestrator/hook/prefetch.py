@@ -114,7 +114,7 @@ class PrefetchHooks:
 
     def check_hicache_events(self) -> None:
         """Loads complete inside init_load_back; stores that went through unlock here."""
-        self._drain_stores()
+        self._drain_stores(safe_point=True)
 
     def ready_to_load_host_cache(self) -> int:
         return -1

@@ -26,6 +26,8 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from orchestrator.states import DegradeReason
+
 from . import compat
 from .prefetch import PrefetchHooks
 from .promises import (
@@ -45,6 +47,7 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
 
     def __init__(self, params, *, config, tp_size: int = 1, tp_rank: int = 0,
                  tp_group=None, orchestrator=None, async_lookups: bool | None = None) -> None:
+        self._tp_size = tp_size
         self._promises: dict[Any, Promise] = {}
         self._lookups: dict[Any, Lookup] = {}
         self._stores: dict[Any, StoreJob] = {}
@@ -139,12 +142,24 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
         self._drain_stores()
         return super().evict(params)
 
-    def _drain_stores(self) -> None:
-        """Scheduler thread: unlock the nodes of stores that went through."""
+    def _drain_stores(self, *, safe_point: bool = False) -> None:
+        """Scheduler thread: unlock the nodes of stores that went through. With TP > 1 only
+        at the scheduler's safe point (`check_hicache_events`, every rank at once), and only
+        as many as every rank finished (the ranks' trees stay alike: same evictable nodes,
+        same match lengths)."""
         worker = self._store_worker
         if worker is not None:
             worker.ensure_alive()
-        while worker is not None and not worker.completed.empty():
+        if worker is None:
+            return
+        ready = worker.completed.qsize()
+        if self._tp_size > 1:
+            if not safe_point:
+                return
+            # Every rank submitted the same stores in the same order: the first `ready`
+            # finished stores are the same requests on every rank.
+            ready = self.orch.tp.min(ready)
+        for _ in range(ready):
             job = worker.completed.get_nowait()
             if self._stores.get(job.handle) is job:
                 del self._stores[job.handle]
@@ -157,6 +172,13 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
 
     def _wait_stores(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        if self._tp_size > 1 and self._store_worker is not None:
+            # This rank's own stores first, then one drain the ranks agree on.
+            while self._store_worker.completed.qsize() < len(self._stores) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.005)
+            self._drain_stores(safe_point=True)
+            return
         self._drain_stores()
         while self._stores and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -333,8 +355,9 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
         if (host_hit_length != n or self._path_len(node) != local
                 or new_key.child_key(self.page_size) in node.children):
             # The scheduler's view moved since the promise (or another load attached this
-            # span first): loading now would not fit the tree.
-            self.orch.abort(p.request_id)
+            # span first): loading now would not fit the tree. Declined through load_back,
+            # which every TP rank joins whatever its own tree says.
+            self._timed(self.orch.load_back, p.request_id, None, decline=DegradeReason.ABORTED)
             p.tokens = 0
             return self.shim.recompute(node)
         alloc = self.token_to_kv_pool_allocator

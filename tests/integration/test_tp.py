@@ -20,9 +20,9 @@ import urllib.request
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from connectors.daemon import DaemonProcess, free_port, stop_process
+from tests.ranks import run_ranks
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(300)]
 
@@ -150,23 +150,10 @@ def _rank_main(rank: int, world: int, dist_port: int, endpoint: str, daemon_pid:
 
 
 def _run_ranks(daemon: DaemonProcess, transfer: str) -> tuple[dict, dict]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     status_url = f"http://{daemon.host}:{daemon.http_port}/status"
-    args = (2, free_port(), daemon.endpoint, daemon.pid, status_url, transfer, out)
-    procs = [ctx.Process(target=_rank_main, args=(r, *args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=240) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for rank in (0, 1):
-        assert "error" not in results[rank], results[rank]["error"]
-    return results[0], results[1]
+    r0, r1 = run_ranks(_rank_main, 2, free_port(), daemon.endpoint, daemon.pid, status_url,
+                       transfer)
+    return r0, r1
 
 
 @pytest.fixture(scope="module", params=["pickle", "shm"])
