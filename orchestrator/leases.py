@@ -4,8 +4,9 @@ The hazard (the same one SGLang's `DecLockRefParams` guards): the daemon's read 
 counts per chunk, not per holder, so a `free_lookup_locks` for a range this request no
 longer holds strips another reader's lock. A `Lease` therefore answers "which range may
 I free now?" and answers "none" once anything may have released the locks daemon-side (a
-prepare_retrieve that was answered, or sent and never answered): such locks are left to
-the daemon (its retrieve or its read TTL). This is the only place that rule lives.
+prepare_retrieve that was answered, or sent and never answered): such locks move to that
+transfer, and its commit_retrieve (owed on every path, calls.py) releases them. This is the
+only place that rule lives.
 """
 
 from __future__ import annotations
