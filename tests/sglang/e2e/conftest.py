@@ -62,8 +62,9 @@ def make_stack(tmp_path_factory):
     the LMCache port (the test starts daemon and proxy later through `bring_up`)."""
     made: list[Stack] = []
 
-    def make(kind: str, *, daemon_up: bool = True, deadline_s: float = 30.0) -> Stack:
-        run_dir = tmp_path_factory.mktemp(f"e2e-{kind}")
+    def make(kind: str, *, daemon_up: bool = True, deadline_s: float = 30.0,
+             tp: int = 1) -> Stack:
+        run_dir = tmp_path_factory.mktemp(f"e2e-{kind}-tp{tp}")
         daemon = DaemonProcess(chunk_size=CHUNK, http=True, log_dir=str(run_dir))
         port = free_port()
         if kind == "loadback":
@@ -80,6 +81,10 @@ def make_stack(tmp_path_factory):
             backend = f"probe-{backend or 'upstream'}"
             probe = {"python_path": [str(PROBE_DIR)], "extra_env": {
                 "LOADBACK_SCHED_PROBE_FILE": str(run_dir / "sched.jsonl")}}
+        if tp > 1:  # SGLang on CPU needs a core binding per rank (reference/sglang-plugin.md)
+            probe.setdefault("extra_env", {})["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(r % (os.cpu_count() or 1)) for r in range(tp))
+            probe["extra_args"] = ["--tp-size", str(tp)]
         server = SGLangServer(python=sys.executable, lmcache_config=cfg, backend=backend,
                               log_path=run_dir / "server.log", **probe)
         stack = Stack(server=server, daemon=daemon, proxy=None, deadline_s=deadline_s,

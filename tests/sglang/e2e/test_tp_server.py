@@ -1,0 +1,119 @@
+"""Ours and upstream on a real SGLang 0.5.23 server at `--tp-size 2`, against ONE daemon.
+
+Both ranks of the server talk to the one daemon (through the fault proxy). Ours: the storage
+hit with the recomputed output; the daemon SIGSTOPped while the LOOKUP is asked and SIGKILLed
+between LOOKUP and RETRIEVE, each request completing within REQUEST_BOUND_S with the
+recomputed output and hits resuming after a restart; idle, the daemon holds no read lock and no
+session of ours (asked of the daemon). Upstream at TP 2 gets the same traffic, measured.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from .conftest import UPSTREAM_MQ_TIMEOUT_S, bring_up, report
+from .helpers import CHUNK, PROMPT_LEN, loaded_tokens, prompt, wait_until
+from .test_loadback_server import (RECOVERY_BOUND_S, assert_same_output, assert_within_bound,
+                                   live)
+
+TP = 2
+EXPECTED_HIT = (PROMPT_LEN - 1) // CHUNK * CHUNK
+UPSTREAM_DEADLINE_S = 15.0
+
+
+@pytest.fixture(scope="module")
+def ours_tp(make_stack):
+    return make_stack("loadback", tp=TP)
+
+
+def _idle_and_clean(stack, what: str) -> dict:
+    """The daemon holds no read lock and no session of ours once nothing runs (bounded)."""
+    wait_until(lambda: not any(stack.daemon.held()[k] for k in ("read_locks", "sessions")),
+               15, f"{what}: the daemon still holds {stack.daemon.held()}")
+    return stack.daemon.held()
+
+
+def test_tp2_storage_hit_has_the_recomputed_output(ours_tp):
+    live(ours_tp)
+    ref, again = ours_tp.hit_cycle(ours_tp.new_seed(), store_wait_s=10.0)
+    assert ours_tp.stored, "the finished request was not stored in the daemon"
+    assert_within_bound([ref, again], "TP 2 happy path")
+    details = again.meta.get("cached_tokens_details") or {}
+    assert details.get("storage") == EXPECTED_HIT, f"expected a storage hit: {details}"
+    assert again.output_ids == ref.output_ids
+    held = _idle_and_clean(ours_tp, "after a hit")
+    report("ours_tp2_happy", details=details, recompute_s=round(ref.latency_s, 3),
+           loaded_s=round(again.latency_s, 3), start_s=round(ours_tp.server.start_s, 1),
+           daemon_after=held)
+
+
+def test_tp2_daemon_stopped_during_lookup(ours_tp):
+    live(ours_tp)
+    ids = prompt(ours_tp.new_seed())
+    ref = ours_tp.cold(ids)
+    assert ours_tp.stored and ours_tp.server.flush_cache()
+    ours_tp.daemon.pause()
+    try:
+        hung = ours_tp.generate(ids)
+    finally:
+        ours_tp.daemon.resume()
+    assert_within_bound([hung], "daemon stopped at LOOKUP")
+    assert hung.output_ids == ref.output_ids and loaded_tokens(hung) == 0
+    took, cycles = ours_tp.until_hits(RECOVERY_BOUND_S)
+    assert_same_output(cycles)
+    assert took <= RECOVERY_BOUND_S, "hits did not resume after the daemon continued"
+    held = _idle_and_clean(ours_tp, "after SIGSTOP")
+    report("ours_tp2_sigstop_lookup", stopped_latency_s=round(hung.latency_s, 3),
+           hits_resumed_s=round(took, 2), daemon_after=held)
+
+
+def test_tp2_daemon_killed_between_lookup_and_retrieve(ours_tp):
+    live(ours_tp)
+    ids = prompt(ours_tp.new_seed())
+    ref = ours_tp.cold(ids)
+    assert ours_tp.stored and ours_tp.server.flush_cache()
+    hit = ours_tp.fault_before_answer("prepare_retrieve", ids).result()
+    assert_within_bound([hit], "the request whose prepare_retrieve was never answered")
+    assert hit.output_ids == ref.output_ids
+    down = ours_tp.generate(prompt(ours_tp.new_seed()))
+    assert_within_bound([down], "daemon down")
+    up_at = bring_up(ours_tp)
+    took, cycles = ours_tp.until_hits(RECOVERY_BOUND_S)
+    assert_same_output(cycles)
+    assert_within_bound([g for c in cycles for g in c], "after the restart")
+    assert took <= RECOVERY_BOUND_S, f"hits did not resume within {RECOVERY_BOUND_S} s"
+    held = _idle_and_clean(ours_tp, "after the restart")
+    report("ours_tp2_kill_prepare_retrieve", faulted_latency_s=round(hit.latency_s, 3),
+           down_latency_s=round(down.latency_s, 3),
+           hits_resumed_after_restart_s=round(time.monotonic() - up_at, 2), daemon_after=held)
+
+
+def test_upstream_tp2_same_traffic(make_stack):
+    """Upstream at TP 2: the happy path hits (the comparison means something), then the
+    daemon SIGKILLed between LOOKUP and RETRIEVE blocks the scheduler for mq_timeout-sized
+    waits; what came back after the restart is measured."""
+    stack = make_stack("upstream", deadline_s=UPSTREAM_DEADLINE_S, tp=TP)
+    try:
+        ref, again = stack.hit_cycle(stack.new_seed(), store_wait_s=10.0)
+        assert ref.ok and again.ok and loaded_tokens(again) > 0, (
+            "upstream's happy path at TP 2 must work for the comparison to mean anything")
+        ids = prompt(stack.new_seed())
+        cold = stack.cold(ids)
+        assert stack.stored and stack.server.flush_cache()
+        hit = stack.fault_before_answer("prepare_retrieve", ids).result()
+        assert (not hit.ok) or hit.latency_s >= UPSTREAM_MQ_TIMEOUT_S, (
+            f"upstream answered in {hit.latency_s:.2f} s: no block measured")
+        up_at = bring_up(stack)
+        took, cycles = stack.until_hits(20.0)
+        gens = [g for c in cycles for g in c]
+        report("upstream_tp2", happy_loaded=loaded_tokens(again),
+               happy_same_output=again.output_ids == ref.output_ids,
+               faulted_ok=hit.ok, faulted_latency_s=round(hit.latency_s, 2),
+               faulted_output_correct=hit.ok and hit.output_ids == cold.output_ids,
+               hits_resumed_after_restart_s=None if took == float("inf") else round(
+                   time.monotonic() - up_at, 2),
+               failed_after_restart=sum(not g.ok for g in gens))
+    finally:
+        stack.close()
