@@ -65,15 +65,22 @@ def test_daemon_absent_at_start_then_hits_begin(ours):
            hits_after_daemon_up_s=round(since_up, 2), cycles=len(cycles))
 
 
-def test_happy_path_storage_hit(ours):
-    live(ours)
-    ref, again = ours.hit_cycle(ours.new_seed(), store_wait_s=10.0)
-    assert ours.stored, "the finished request was not stored in the daemon"
-    assert_within_bound([ref, again], "happy path")
+def storage_hit(stack, what: str):
+    """A new prompt stored, flushed and sent again: the whole hit from LMCache, the
+    recomputed output. Returns (reference, hit, SGLang's cached_tokens_details)."""
+    live(stack)
+    ref, again = stack.hit_cycle(stack.new_seed(), store_wait_s=10.0)
+    assert stack.stored, "the finished request was not stored in the daemon"
+    assert_within_bound([ref, again], what)
     details = again.meta.get("cached_tokens_details") or {}
     assert details.get("storage") == EXPECTED_HIT, f"expected a storage hit: {details}"
     assert details.get("storage_backend") == "LMCache"
     assert again.output_ids == ref.output_ids
+    return ref, again, details
+
+
+def test_happy_path_storage_hit(ours):
+    ref, again, details = storage_hit(ours, "happy path")
     report("ours_happy", details=details, recompute_s=round(ref.latency_s, 3),
            loaded_s=round(again.latency_s, 3))
 

@@ -13,13 +13,13 @@ import time
 
 import pytest
 
-from .conftest import UPSTREAM_MQ_TIMEOUT_S, bring_up, report
-from .helpers import CHUNK, PROMPT_LEN, loaded_tokens, prompt, wait_until
+from .conftest import bring_up, report
+from .helpers import loaded_tokens, prompt, wait_until
 from .test_loadback_server import (RECOVERY_BOUND_S, assert_same_output, assert_within_bound,
-                                   live)
+                                   live, storage_hit)
+from .test_upstream_server import _restart_and_watch, killed_between_lookup_and_retrieve
 
 TP = 2
-EXPECTED_HIT = (PROMPT_LEN - 1) // CHUNK * CHUNK
 UPSTREAM_DEADLINE_S = 15.0
 
 
@@ -36,13 +36,7 @@ def _idle_and_clean(stack, what: str) -> dict:
 
 
 def test_tp2_storage_hit_has_the_recomputed_output(ours_tp):
-    live(ours_tp)
-    ref, again = ours_tp.hit_cycle(ours_tp.new_seed(), store_wait_s=10.0)
-    assert ours_tp.stored, "the finished request was not stored in the daemon"
-    assert_within_bound([ref, again], "TP 2 happy path")
-    details = again.meta.get("cached_tokens_details") or {}
-    assert details.get("storage") == EXPECTED_HIT, f"expected a storage hit: {details}"
-    assert again.output_ids == ref.output_ids
+    ref, again, details = storage_hit(ours_tp, "TP 2 happy path")
     held = _idle_and_clean(ours_tp, "after a hit")
     report("ours_tp2_happy", details=details, recompute_s=round(ref.latency_s, 3),
            loaded_s=round(again.latency_s, 3), start_s=round(ours_tp.server.start_s, 1),
@@ -99,21 +93,11 @@ def test_upstream_tp2_same_traffic(make_stack):
         ref, again = stack.hit_cycle(stack.new_seed(), store_wait_s=10.0)
         assert ref.ok and again.ok and loaded_tokens(again) > 0, (
             "upstream's happy path at TP 2 must work for the comparison to mean anything")
-        ids = prompt(stack.new_seed())
-        cold = stack.cold(ids)
-        assert stack.stored and stack.server.flush_cache()
-        hit = stack.fault_before_answer("prepare_retrieve", ids).result()
-        assert (not hit.ok) or hit.latency_s >= UPSTREAM_MQ_TIMEOUT_S, (
-            f"upstream answered in {hit.latency_s:.2f} s: no block measured")
-        up_at = bring_up(stack)
-        took, cycles = stack.until_hits(20.0)
-        gens = [g for c in cycles for g in c]
+        cold, hit = killed_between_lookup_and_retrieve(stack)
         report("upstream_tp2", happy_loaded=loaded_tokens(again),
                happy_same_output=again.output_ids == ref.output_ids,
                faulted_ok=hit.ok, faulted_latency_s=round(hit.latency_s, 2),
                faulted_output_correct=hit.ok and hit.output_ids == cold.output_ids,
-               hits_resumed_after_restart_s=None if took == float("inf") else round(
-                   time.monotonic() - up_at, 2),
-               failed_after_restart=sum(not g.ok for g in gens))
+               **_restart_and_watch(stack))
     finally:
         stack.close()

@@ -32,6 +32,19 @@ def _restart_and_watch(stack):
     }
 
 
+def killed_between_lookup_and_retrieve(stack):
+    """A stored prompt sent again while the daemon is SIGKILLed before its prepare_retrieve
+    answers: (the recomputed reference, the faulted request)."""
+    ids = prompt(stack.new_seed())
+    ref = stack.cold(ids)
+    assert stack.stored and stack.server.flush_cache()
+    hit = stack.fault_before_answer("prepare_retrieve", ids).result()
+    # the scheduler thread blocks for mq_timeout-sized waits before it recomputes
+    assert (not hit.ok) or hit.latency_s >= UPSTREAM_MQ_TIMEOUT_S, (
+        f"upstream answered in {hit.latency_s:.2f} s: no block measured")
+    return ref, hit
+
+
 def test_upstream_happy_then_killed_between_lookup_and_retrieve(make_stack):
     stack = make_stack("upstream", deadline_s=CLIENT_DEADLINE_S)
     try:
@@ -39,13 +52,7 @@ def test_upstream_happy_then_killed_between_lookup_and_retrieve(make_stack):
         assert ref.ok and again.ok and loaded_tokens(again) > 0, (
             "upstream's happy path must work for the comparison to mean anything")
         assert again.output_ids == ref.output_ids
-        ids = prompt(stack.new_seed())
-        ref = stack.cold(ids)
-        assert stack.stored and stack.server.flush_cache()
-        hit = stack.fault_before_answer("prepare_retrieve", ids).result()
-        # the scheduler thread blocks for mq_timeout-sized waits before it recomputes
-        assert (not hit.ok) or hit.latency_s >= UPSTREAM_MQ_TIMEOUT_S, (
-            f"upstream answered in {hit.latency_s:.2f} s: no block measured")
+        ref, hit = killed_between_lookup_and_retrieve(stack)
         down = stack.generate(prompt(stack.new_seed()))
         after = _restart_and_watch(stack)
         report("upstream_kill_prepare_retrieve", mq_timeout_s=UPSTREAM_MQ_TIMEOUT_S,
