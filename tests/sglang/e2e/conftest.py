@@ -84,7 +84,8 @@ def make_stack(tmp_path_factory):
         if tp > 1:  # SGLang on CPU needs a core binding per rank (reference/sglang-plugin.md)
             probe.setdefault("extra_env", {})["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
                 str(r % (os.cpu_count() or 1)) for r in range(tp))
-            probe["extra_args"] = ["--tp-size", str(tp)]
+            # SGLang's own /metrics (multiprocess mode) carries every rank's loadback_* series
+            probe["extra_args"] = ["--tp-size", str(tp), "--enable-metrics"]
         server = SGLangServer(python=sys.executable, lmcache_config=cfg, backend=backend,
                               log_path=run_dir / "server.log", **probe)
         stack = Stack(server=server, daemon=daemon, proxy=None, deadline_s=deadline_s,

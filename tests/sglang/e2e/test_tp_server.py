@@ -10,6 +10,7 @@ session of ours (asked of the daemon). Upstream at TP 2 gets the same traffic, m
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import pytest
 
@@ -28,6 +29,16 @@ def ours_tp(make_stack):
     return make_stack("loadback", tp=TP)
 
 
+def _sglang_metric(stack, series: str) -> float:
+    """One series from the SGLang server's /metrics (0 when absent)."""
+    with urllib.request.urlopen(stack.server.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def _idle_and_clean(stack, what: str) -> dict:
     """The daemon holds no read lock and no session of ours once nothing runs (bounded)."""
     wait_until(lambda: not any(stack.daemon.held()[k] for k in ("read_locks", "sessions")),
@@ -38,6 +49,11 @@ def _idle_and_clean(stack, what: str) -> dict:
 def test_tp2_storage_hit_has_the_recomputed_output(ours_tp):
     ref, again, details = storage_hit(ours_tp, "TP 2 happy path")
     held = _idle_and_clean(ours_tp, "after a hit")
+    # Both ranks' outcomes reach SGLang's own /metrics (one series, summed over the ranks'
+    # processes): every load is counted once per rank.
+    loaded = _sglang_metric(ours_tp, 'loadback_prefix_outcomes_total{reason="none",state="loaded"}')
+    hits = sum(1 for g in ours_tp.log if loaded_tokens(g) > 0)
+    assert loaded == TP * hits, (loaded, hits)
     report("ours_tp2_happy", details=details, recompute_s=round(ref.latency_s, 3),
            loaded_s=round(again.latency_s, 3), start_s=round(ours_tp.server.start_s, 1),
            daemon_after=held)
