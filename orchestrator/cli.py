@@ -1,21 +1,31 @@
-"""The `loadback` command: demo, chaos, bench, tune, config validate|show, configs export,
-diagram.
+"""The `loadback` command: demo, sglang-demo, chaos, bench, tune, config validate|show,
+configs export, diagram.
 
-Exit codes: 0 ok; 1 a check failed (invariant, benchmark target); 2 an invalid config;
-3 an unreadable config file; 64 bad usage.
+Exit codes: `orchestrator.exit_codes` (printed by `loadback --help`). Each command's module is
+imported only when that command runs, so `--help`, `--version` and `config validate` import
+neither SGLang nor torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+import textwrap
 
 from connectors.telemetry import quiet_telemetry
 
+from .exit_codes import EPILOG, EXIT_INVALID, EXIT_UNREADABLE, EXIT_USAGE
+
 quiet_telemetry()
 
-EXIT_INVALID, EXIT_UNREADABLE, EXIT_USAGE = 2, 3, 64
+DESCRIPTION = ("Fault-tolerant load-back between SGLang's prefix cache and an LMCache "
+               "multi-process daemon: run the demos, the chaos harness and the benchmarks, tune "
+               "deadlines against a running daemon, and check or export configs.")
+DISTRIBUTION = "lmcache-loadback"
+#: `sglang-demo --sides`: the backends it can run, in the order it runs them
+SGLANG_DEMO_SIDES = ("ours", "upstream")
 
 
 class _UsageParser(argparse.ArgumentParser):
@@ -82,7 +92,7 @@ def _configs_cmd(args: argparse.Namespace) -> int:
         written = export_configs(args.dir, force=args.force)
     except FileExistsError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 64
+        return EXIT_USAGE
     print(f"wrote {len(written)} files to {args.dir} (example configs, chaos/ scenarios, "
           "Grafana dashboard, Prometheus alert rules and scrape config)")
     return 0
@@ -95,19 +105,88 @@ def _diagram_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _UsageParser(prog="loadback", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
+def _version() -> str:
+    """The installed distribution's version (its metadata), not a copy in the source."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    p = sub.add_parser("config", help="validate or show a YAML config")
-    p.add_argument("action", choices=["validate", "show"])
-    p.add_argument("file")
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:
+        return "unknown (no installed lmcache-loadback distribution found)"
+
+
+def _count(low: int):
+    """An argparse type: an integer >= `low` (a bad value exits 64, not with a traceback)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return x
+
+
+def _sides_arg(text: str) -> str:
+    """`sglang-demo --sides`: a comma-separated subset of SGLANG_DEMO_SIDES."""
+    names = [s for s in text.split(",") if s]
+    bad = [s for s in names if s not in SGLANG_DEMO_SIDES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected some of {','.join(SGLANG_DEMO_SIDES)} (comma-separated), got {text!r}")
+    return text
+
+
+def scenario_names() -> list[str]:
+    """The shipped chaos scenarios' names, read from configs/chaos/*.yaml (no torch, no
+    harness import); empty if the shipped files cannot be found or read."""
+    import yaml
+
+    from .resources import configs_dir
+
+    try:
+        files = sorted((configs_dir() / "chaos").glob("*.yaml"))
+        return [str(yaml.safe_load(f.read_text())["name"]) for f in files]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return []
+
+
+def _run_tool(module: str):
+    """The `fn` of a command whose code lives in `module`: imported only when it runs."""
+    return lambda args: importlib.import_module(module).run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _UsageParser(prog="loadback", description=textwrap.fill(DESCRIPTION, 88),
+                          epilog=EPILOG,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"loadback {_version()}",
+                        help="print the installed lmcache-loadback version and exit")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("config", help="validate or show a YAML config",
+                       description="validate: check FILE (exit 0, 2 invalid, 3 unreadable); "
+                       "show: print every effective value and where it came from")
+    p.add_argument("action", choices=["validate", "show"], help="validate or show")
+    p.add_argument("file", help="a loadback YAML config (or an upstream LMCache one)")
     p.add_argument("--json", action="store_true", help="show: machine-readable output")
     p.set_defaults(fn=_config_cmd)
 
     p = sub.add_parser("configs", help="write out the shipped example configs, chaos "
                        "scenarios, dashboard and alert rules")
-    p.add_argument("action", choices=["export"])
+    p.add_argument("action", choices=["export"], help="export (the only action)")
     p.add_argument("dir", help="destination directory (created if missing)")
     p.add_argument("--force", action="store_true", help="overwrite files already there")
     p.set_defaults(fn=_configs_cmd)
@@ -115,57 +194,106 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("diagram", help="print the prefix state machine as mermaid")
     p.set_defaults(fn=_diagram_cmd)
 
-    p = sub.add_parser("demo", help="a real daemon, a workload, a kill and a restart")
-    p.add_argument("--requests", type=int, default=800)
-    p.add_argument("--interval-ms", type=float, default=50.0, help="time between requests")
-    p.add_argument("--json", metavar="FILE")
-    p.set_defaults(fn=lambda a: __import__("orchestrator.tools.demo", fromlist=["run"]).run(a))
+    p = sub.add_parser("demo", help="a real daemon, a workload, a kill and a restart",
+                       description="A real LMCache daemon, /metrics on 127.0.0.1, a workload "
+                       "through the orchestrator, the daemon SIGKILLed at 35% of the requests "
+                       "and restarted at 55%, then a summary. Exits 1 if an invariant broke.")
+    p.add_argument("--requests", type=_count(1), default=800, metavar="N",
+                   help="requests in the workload (default 800)")
+    p.add_argument("--interval-ms", type=_positive_float, default=50.0, metavar="MS",
+                   help="time between requests (default 50)")
+    p.add_argument("--json", metavar="FILE", help="also write the result and the metrics")
+    p.set_defaults(fn=_run_tool("orchestrator.tools.demo"))
 
     p = sub.add_parser("sglang-demo", help="a real SGLang 0.5.23 server with this backend "
                        "beside upstream's, the daemon killed and restarted midway")
-    __import__("orchestrator.tools.sglang_demo", fromlist=["add_arguments"]).add_arguments(p)
-    p.set_defaults(
-        fn=lambda a: __import__("orchestrator.tools.sglang_demo", fromlist=["run"]).run(a))
+    p.add_argument("--sglang-python", metavar="PATH",
+                   help="Python of a venv with sglang 0.5.23 (default: this one)")
+    p.add_argument("--duration-s", type=_positive_float, default=60.0, metavar="S",
+                   help="traffic window per side (default 60)")
+    # one a second: what this CPU server sustains with room to spare on a loaded 2-core machine
+    p.add_argument("--interval-ms", type=_positive_float, default=1000.0, metavar="MS",
+                   help="time between requests (default 1000)")
+    p.add_argument("--deadline-s", type=_positive_float, default=10.0, metavar="S",
+                   help="client deadline per request (default 10)")
+    p.add_argument("--mq-timeout-s", type=_positive_float, default=3.0, metavar="S",
+                   help="upstream's lmcache.mp.mq_timeout (its default is 300 s; here 3)")
+    p.add_argument("--sides", type=_sides_arg, default=",".join(SGLANG_DEMO_SIDES),
+                   metavar="LIST", help="which backends to run, comma-separated: "
+                   f"{', '.join(SGLANG_DEMO_SIDES)} or both (default both)")
+    p.add_argument("--probe", action="store_true",
+                   help="time the scheduler thread inside each backend (test-only plugin in "
+                   "tests/sglang/probe, loaded through PYTHONPATH)")
+    p.add_argument("--json", metavar="FILE", help="also write both sides' summaries")
+    p.set_defaults(fn=_run_tool("orchestrator.tools.sglang_demo"))
 
     p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator), "
-                       "gpu (CUDA KV pool)")
-    p.add_argument("suite", choices=["client", "core", "gpu"])
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--samples", type=int, default=0, help="samples per point (0 = default)")
-    p.set_defaults(fn=lambda a: __import__(f"orchestrator.tools.bench.{a.suite}",
-                                           fromlist=["run"]).run(a))
+                       "gpu (CUDA KV pool)",
+                       description="Exits 1 when a target is missed or a contender dropped; "
+                       "bench gpu exits 69 on a host without CUDA.")
+    p.add_argument("suite", choices=["client", "core", "gpu"],
+                   help="client: the wire client against LMCache's; core: the orchestrator's "
+                   "own cost and deadline keeping; gpu: load-back into a CUDA KV pool")
+    p.add_argument("--json", metavar="FILE", help="also write the figures and verdicts")
+    p.add_argument("--samples", type=_count(0), default=0, metavar="N",
+                   help="samples per point (0 = the suite's default)")
+    p.set_defaults(fn=lambda a: importlib.import_module(
+        f"orchestrator.tools.bench.{a.suite}").run(a))
 
     p = sub.add_parser("chaos", help="break the daemon on purpose and check the invariants")
-    csub = p.add_subparsers(dest="chaos_cmd", required=True)
-    cr = csub.add_parser("run", formatter_class=argparse.RawDescriptionHelpFormatter,
-                         epilog="example: loadback chaos run --scenario kill --engines 4 "
-                         "--requests 100\n  4 engines share one daemon; in each of 100 rounds "
-                         "all 4 issue a request at once")
-    cr.add_argument("--scenario", default="all")
-    cr.add_argument("--requests", type=int, default=0, help="requests per scenario (0 = its "
-                    "own); with --engines, rounds: each engine makes this many")
+    csub = p.add_subparsers(dest="chaos_cmd", required=True, metavar="ACTION")
+    names = scenario_names()
+    listed = ", ".join(names) if names else "(shipped scenarios not found)"
+    cr = csub.add_parser(
+        "run", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="run chaos scenarios against a real daemon; exits 1 if an invariant broke",
+        description=textwrap.fill(
+            "Run the shipped chaos scenarios (configs/chaos/) against a real daemon, each "
+            "breaking it in its own way, and check the invariants: bounded time, no leaks, "
+            "byte-exact loads, counters that reconcile, recovery. Exits 1 if one broke.", 88)
+        + "\n\n" + textwrap.fill("scenarios: " + listed, 88, subsequent_indent="  "),
+        epilog="example: loadback chaos run --scenario kill --engines 4 "
+        "--requests 100\n  4 engines share one daemon; in each of 100 rounds "
+        "all 4 issue a request at once")
+    cr.add_argument("--scenario", default="all", metavar="NAME",
+                    choices=["all", *names] if names else None,
+                    help=f"one scenario, or all (default): {listed}")
+    cr.add_argument("--requests", type=_count(0), default=0, metavar="N",
+                    help="requests per scenario (0 = its own); with --engines, rounds: each "
+                    "engine makes this many")
     cr.add_argument("--engines", type=_engines_arg, default=1, metavar="N",
                     help="engines sharing the one daemon (1..32, default 1), each with its own "
                     "connector, orchestrator, metrics and KV pool, on its own thread; every "
                     "round all N issue a request at the same instant (a burst)")
-    cr.add_argument("--json", metavar="FILE")
-    cr.set_defaults(fn=lambda a: __import__("orchestrator.tools.chaos", fromlist=["run"]).run(a))
+    cr.add_argument("--json", metavar="FILE", help="also write every scenario's result")
+    cr.set_defaults(fn=_run_tool("orchestrator.tools.chaos"))
 
-    p = sub.add_parser("tune", help="measure a running daemon and recommend a config")
-    p.add_argument("--daemon", required=True, metavar="HOST:PORT")
-    p.add_argument("--out", default="loadback-tuned.yaml")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=10000.0)
-    p.add_argument("--requests", type=int, default=20, help="per prefix size")
+    p = sub.add_parser("tune", help="measure a running daemon and recommend a config",
+                       description="Measure LOOKUP and RETRIEVE of a running daemon with the "
+                       "model's KV layout and write a recommended config. Exits 69 if the "
+                       "daemon cannot be reached, 1 if nothing could be measured.")
+    p.add_argument("--daemon", required=True, metavar="HOST:PORT",
+                   help="the LMCache daemon to measure")
+    p.add_argument("--out", default="loadback-tuned.yaml", metavar="FILE",
+                   help="where to write the recommended config (default loadback-tuned.yaml)")
+    p.add_argument("--prefill-tokens-per-s", type=_positive_float, default=10000.0,
+                   metavar="N", help="the engine's prefill speed, for the break-even "
+                   "recommendation (default 10000)")
+    p.add_argument("--requests", type=_count(1), default=20, metavar="N",
+                   help="timed LOOKUPs and RETRIEVEs per prefix size (default 20)")
     src = p.add_mutually_exclusive_group(required=True)  # the KV layout comes from the model
     src.add_argument("--model-config", metavar="PATH", help="the model's HF config.json")
     src.add_argument("--server", metavar="URL", help="a running SGLang server, e.g. "
                      "http://127.0.0.1:30000 (reads its model directory's config.json)")
-    p.add_argument("--tp-size", type=int, default=1, help="with --model-config: tensor-"
-                   "parallel ranks sharing the KV heads")
+    p.add_argument("--tp-size", type=_count(1), default=1, metavar="N",
+                   help="with --model-config: tensor-parallel ranks sharing the KV heads")
     p.add_argument("--json", metavar="FILE", help="also write the raw measurements")
-    p.set_defaults(fn=lambda a: __import__("orchestrator.tools.tune", fromlist=["run"]).run(a))
+    p.set_defaults(fn=_run_tool("orchestrator.tools.tune"))
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.fn(args) or 0)
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 from connectors.daemon import DaemonProcess
 
 from .bench.common import median, percentile
+from ..cli import SGLANG_DEMO_SIDES as SIDES
+from ..exit_codes import EXIT_UNAVAILABLE, EXIT_USAGE
 from .sglang_server import (PROBE_DIR, STUBS_DIR, Generation, SGLangServer,
                             write_loadback_yaml, write_upstream_yaml)
 
@@ -41,7 +43,6 @@ NEW_TOKENS = 8
 MAX_TOTAL_TOKENS = 1024  # the device KV pool: 6 prompts fit, the pool below does not
 POOL = 8
 KILL_AT, RESTART_AT = 0.35, 0.55
-SIDES = ("ours", "upstream")
 
 
 def _prompt(i: int) -> list[int]:
@@ -230,12 +231,13 @@ def print_table(summaries: dict[str, dict]) -> None:
             print(f"{c}: {summaries[c]['error']}")
 
 
-def _check_python(python: str) -> None:
+def _check_python(python: str) -> str | None:
+    """Why `python` cannot run the demo (no sglang 0.5.23 there), or None if it can."""
     env = dict(os.environ, PYTHONPATH=str(STUBS_DIR), HF_HUB_OFFLINE="1")
     out = subprocess.run([python, "-c", "import sglang; print(sglang.__version__)"],
                          capture_output=True, text=True, env=env, timeout=120)
     if out.returncode != 0 or out.stdout.strip() != "0.5.23":
-        raise SystemExit(
+        return (
             f"sglang-demo needs a Python with sglang 0.5.23 (got {python!r}: "
             f"{out.stdout.strip() or out.stderr.strip()[-200:]}); build it with "
             f"`make sglang-envs` and pass --sglang-python .venv-sglang-0.5.23/bin/python")
@@ -243,10 +245,15 @@ def _check_python(python: str) -> None:
 
 def run(args) -> int:
     python = args.sglang_python or sys.executable
-    _check_python(python)
     sides = [s for s in SIDES if s in args.sides.split(",")]
-    if not sides:
-        raise SystemExit(f"--sides must name some of {','.join(SIDES)}, got {args.sides!r}")
+    if not sides:  # the CLI refuses it first; this is for a caller passing args of its own
+        print(f"error: --sides must name some of {','.join(SIDES)}, got {args.sides!r}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    missing = _check_python(python)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     work = Path(tempfile.mkdtemp(prefix="sglang-demo-"))
     print(f"logs: {work}")
     t0 = time.monotonic()
@@ -270,19 +277,3 @@ def run(args) -> int:
     ok = ours is None or (ours["error"] is None and ours["failed"] == 0
                           and ours["outputs_identical"] and ours["hits_after_restart"] > 0)
     return 0 if ok else 1
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--sglang-python", metavar="PATH",
-                   help="Python of a venv with sglang 0.5.23 (default: this one)")
-    p.add_argument("--duration-s", type=float, default=60.0, help="traffic window per side")
-    # one a second: what this CPU server sustains with room to spare on a loaded 2-core machine
-    p.add_argument("--interval-ms", type=float, default=1000.0, help="time between requests")
-    p.add_argument("--deadline-s", type=float, default=10.0, help="client deadline per request")
-    p.add_argument("--mq-timeout-s", type=float, default=3.0,
-                   help="upstream's lmcache.mp.mq_timeout (its default is 300 s)")
-    p.add_argument("--sides", default="ours,upstream", help="ours, upstream or both")
-    p.add_argument("--probe", action="store_true",
-                   help="time the scheduler thread inside each backend (test-only plugin in "
-                   "tests/sglang/probe, loaded through PYTHONPATH)")
-    p.add_argument("--json", metavar="FILE")

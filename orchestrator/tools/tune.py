@@ -17,8 +17,9 @@ Every call has a 10 s timeout and the whole run a 120 s budget: past it, measuri
 and the report says so. The prefixes are stored under model name `loadback-tune`, apart from
 the engine's cache.
 
-Exit codes: 0 ok; 1 nothing could be measured; 2 the daemon cannot be reached; 64 bad usage
-(a malformed --daemon, or a model config / server that gives no KV layout).
+Exit codes (`orchestrator.exit_codes`): 0 ok; 1 nothing could be measured; 69 the daemon
+cannot be reached; 64 bad usage (a malformed --daemon, or a model config / server that gives
+no KV layout).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from connectors.wire import PROTOCOL_VERSION
 
 from .bench.common import fmt, median, percentile, print_table, progress_bar, write_json
 from ..config import ConfigError, LoadBackConfig
+from ..exit_codes import EXIT_FAILED, EXIT_USAGE
+from ..exit_codes import EXIT_UNAVAILABLE as EXIT_UNREACHABLE
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SIZES_CHUNKS = (1, 4, 16, 64)
@@ -60,7 +63,6 @@ MODEL = "loadback-tune"
 LOOKUP_PCT, LOOKUP_FACTOR, LOOKUP_MARGIN_MS = 99.0, 2.0, 5.0
 RETRIEVE_FACTOR, RETRIEVE_MARGIN_MS = 1.5, 2.0
 CAP_TOKENS, CAP_MS = 131072, 30000.0
-EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE = 1, 2, 64
 _ids = itertools.count(1)
 
 

@@ -161,11 +161,11 @@ def test_layout_from_a_running_servers_model_directory(tmp_path):
         tune.layout_from_server(url, timeout_s=2)
 
 
-def test_tune_without_a_daemon_exits_2_quickly_naming_the_address(tmp_path, capsys, model_config):
+def test_tune_without_a_daemon_exits_69_quickly_naming_the_address(tmp_path, capsys, model_config):
     addr = f"127.0.0.1:{free_port()}"
     out = tmp_path / "t.yaml"
     t0 = time.monotonic()
-    assert tune.run(_args(addr, str(out), model_config)) == 2
+    assert tune.run(_args(addr, str(out), model_config)) == 69  # EX_UNAVAILABLE, not 2 (invalid config)
     assert time.monotonic() - t0 < 5
     err = capsys.readouterr().err
     assert addr in err and "fix:" in err

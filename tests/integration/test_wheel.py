@@ -89,6 +89,13 @@ def test_product_runs_from_the_wheel_not_the_checkout(installed):
     assert all(p.startswith(str(site)) for p in paths), paths
 
 
+def test_version_is_the_wheels_metadata(installed):
+    wheel, _, _ = installed
+    r = _loadback(installed, "--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"loadback {wheel.name.split('-')[1]}\n"  # lmcache_loadback-V-...whl
+
+
 def test_configs_export_then_validate_from_any_directory(installed):
     r = _loadback(installed, "configs", "export", "shipped")
     assert r.returncode == 0, r.stderr

@@ -62,3 +62,123 @@ def test_hostile_file_exits_2_with_one_line(capsys, tmp_path, name, action):
 def test_unreadable_file_exits_3(capsys, tmp_path):
     code, _, err = run(capsys, "config", "validate", str(tmp_path))  # a directory
     assert code == 3 and err.startswith(f"error: {tmp_path}: cannot read config file")
+
+
+# --- help, --version, exit codes in the help, light imports (issue 17) ---
+
+import argparse  # noqa: E402
+import importlib.metadata  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+
+import yaml  # noqa: E402
+
+from orchestrator import cli  # noqa: E402
+
+ENV = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
+
+
+def _parsers(parser, path=("loadback",)):
+    """Every (command path, parser, the help its parent gives it) under `parser`."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+def test_every_command_and_flag_has_help():
+    parser = cli.build_parser()
+    undocumented = []
+    for path, p in _parsers(parser):
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helped = {a.dest for a in action._choices_actions if a.help}
+                undocumented += [f"{' '.join(path)} {n}" for n in action.choices
+                                 if n not in helped]
+            elif not action.help:
+                undocumented.append(f"{' '.join(path)} {action.option_strings or action.dest}")
+    assert undocumented == []
+
+
+def test_top_help_is_whole_sentences_and_shows_every_exit_code(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    desc = " ".join(cli.build_parser().description.split())
+    assert desc.endswith(".") and len(desc.split()) > 12  # not cut mid-sentence any more
+    assert desc in " ".join(out.split())
+    assert "exit codes:" in out
+    from orchestrator import exit_codes
+
+    codes = {v for k, v in vars(exit_codes).items() if k.startswith("EXIT_")}
+    assert codes == {0, 1, 2, 3, 64, 69}
+    for c in codes:
+        assert f"\n  {c} " in out, c
+    for cmd in ("demo", "sglang-demo", "chaos", "bench", "tune", "config", "configs", "diagram"):
+        assert re.search(rf"^    {cmd}\s+\S", out, re.M), cmd  # listed with its help
+
+
+def test_chaos_run_help_lists_every_shipped_scenario(capsys):
+    names = [yaml.safe_load(f.read_text())["name"]
+             for f in sorted((ROOT / "configs" / "chaos").glob("*.yaml"))]
+    assert len(names) >= 10
+    code, out, _ = run(capsys, "chaos", "run", "--help")
+    assert code == 0
+    flat = " ".join(out.split())
+    for name in names:
+        assert name in flat, name
+    code, _, err = run(capsys, "chaos", "run", "--scenario", "nope")
+    assert code == 64 and "version_skew" in err  # refused before any daemon starts
+
+
+def test_demo_help_documents_requests_and_json(capsys):
+    code, out, _ = run(capsys, "demo", "--help")
+    flat = " ".join(out.split())
+    assert code == 0
+    assert "--requests N requests in the workload" in flat
+    assert "--json FILE also write the result and the metrics" in flat
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--requests", "0"], ["demo", "--interval-ms", "-1"],
+    ["bench", "core", "--samples", "-1"], ["chaos", "run", "--requests", "-5"],
+    ["sglang-demo", "--sides", "theirs"], ["sglang-demo", "--duration-s", "0"],
+    ["tune", "--daemon", "h:1", "--model-config", "c.json", "--tp-size", "0"],
+])
+def test_bad_values_exit_64_before_running_anything(capsys, argv):
+    code, _, err = run(capsys, *argv)
+    assert code == 64 and "usage: loadback" in err and "Traceback" not in err
+
+
+def test_version_is_the_installed_distributions():
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--version"], cwd=ROOT,
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"loadback {importlib.metadata.version('lmcache-loadback')}\n"
+
+
+LIGHT = """
+import sys
+from orchestrator.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "sglang",
+               "orchestrator.tools", "orchestrator.core", "lmcache")))
+print("HEAVY", heavy, file=sys.stderr)
+sys.exit(code if not heavy else 99)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"],
+                                  ["config", "validate", "configs/example_config_mp.yaml"],
+                                  ["config", "show", "configs/example_config_upstream.yaml"],
+                                  ["chaos", "run", "--help"]])
+def test_help_version_and_config_import_neither_sglang_nor_torch(argv):
+    """The config code needs no torch (orchestrator.config reads YAML with msgspec), so none
+    of these may import it, nor SGLang, the demos or the orchestrator core."""
+    r = subprocess.run([sys.executable, "-c", LIGHT, *argv], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "HEAVY []" in r.stderr

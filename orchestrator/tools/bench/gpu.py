@@ -18,7 +18,11 @@ Contenders, timed per sample from after the lookup until the bytes are in the sl
 Before timing, each size is proven byte-exact: ours stores the prefix from a CUDA pool (GPU
 gather, device-to-host), then loads it with a non-chunk-aligned local hit (skip) into random
 slots; LMCache's retrieve is checked the same way (skip 0). Contenders alternate sample by
-sample (rotated); medians after warm-up. Always exits 0: a benchmark reports.
+sample (rotated); medians after warm-up.
+
+Exit codes (`orchestrator.exit_codes`): 0 every contender ran and every target was met; 1 a
+contender was dropped (each named with why, e.g. the ImportError that stopped LMCache's
+connector) or a target missed (`TARGETS`); 69 no CUDA device on this host.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -41,6 +46,7 @@ from connectors.daemon import DaemonProcess  # noqa: E402
 from connectors.kv_layout import KVLayout, KVPool  # noqa: E402
 from connectors.lmcache_mp import LMCacheMPConnector  # noqa: E402
 
+from ...exit_codes import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE  # noqa: E402
 from .common import fmt, median, print_table, write_json  # noqa: E402
 
 SIZES = (1024, 4096, 16384, 65536)
@@ -58,7 +64,25 @@ WARMUP = 2
 #: so ours-pickle runs only at sizes below that (16k of this layout); shm has no such limit.
 PICKLE_MAX_TOKENS = (2**32 - (64 << 20)) // LAYOUT.bytes_per_token // CHUNK * CHUNK
 TARGETS = {"p7_ratio": 0.9, "p7_ratio_1k": 0.75, "p7_vs_lmcache": 1.3}
+NO_CUDA = "bench gpu needs a CUDA device; none found (torch.cuda.is_available() is False)"
 _ids = itertools.count(1)
+
+
+def drop(dropped: dict[str, str], name: str, exc: BaseException, where: str = "") -> None:
+    """Record (and print) that contender `name` left the run, and why."""
+    dropped[name] = f"{where}{type(exc).__name__}: {exc}"
+    print(f"contender dropped: {name}: {dropped[name]}", flush=True)
+
+
+def verdict(result: dict) -> tuple[int, list[str]]:
+    """The exit code of a finished run and the lines that say why it is not 0: every
+    dropped contender (`result["dropped"]`, name -> reason) and every missed target
+    (`result["targets_met"]`)."""
+    why = [f"contender dropped: {k}: {reason}"
+           for k, reason in (result.get("dropped") or {}).items()]
+    why += [f"target missed: {k} = {fmt(result.get(k), 3)}, target >= {TARGETS.get(k, '?')}"
+            for k, ok in (result.get("targets_met") or {}).items() if not ok]
+    return (EXIT_FAILED if why else EXIT_OK), why
 
 
 def _sync(dev: torch.device) -> None:
@@ -321,7 +345,7 @@ def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 
             print(f"{name}: stored {m} tokens from the {dev.type} pool in "
                   f"{store_s[name]:.2f} s", flush=True)
         contenders["copy"] = Copy(top * LAYOUT.bytes_per_token, dev)
-        lmc_error = None
+        dropped: dict[str, str] = {}
         if lmcache and dev.type == "cuda":
             pages = torch.randperm(pool_slots // CHUNK, generator=g)[:top // CHUNK]
             pslots = (pages[:, None] * CHUNK + torch.arange(CHUNK)).reshape(-1)
@@ -340,8 +364,7 @@ def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 
                     store_s[k] = time.perf_counter() - t0
                     contenders[k] = c
                 except Exception as exc:  # noqa: BLE001 - report without it, not nothing
-                    lmc_error = f"{k}: {exc!r}"
-                    print(f"{k} contender unavailable: {lmc_error}", flush=True)
+                    drop(dropped, k, exc)
         notes = {k: c.note for k, c in contenders.items()}
         proofs, rows = {k: [] for k in contenders}, []
         for n in sizes:
@@ -353,8 +376,7 @@ def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 
                 except Exception as exc:
                     if not k.startswith("lmcache"):
                         raise
-                    lmc_error = f"at {n} tokens: {exc!r}"
-                    print(f"lmcache contender dropped: {lmc_error}", flush=True)
+                    drop(dropped, k, exc, f"proof at {n} tokens: ")
                     del contenders[k]
             print(f"{n} tokens: byte-exact for "
                   f"{', '.join(k for k in contenders if proofs[k][-1]['tokens'] == n)}",
@@ -375,7 +397,8 @@ def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 
             print(f"{n} tokens: " + ", ".join(
                 f"{k} {v:.2f} ms" for k, v in rows[-1]["median_ms"].items()), flush=True)
         result = _report(rows, notes, dev)
-        result["lmcache_error"] = lmc_error
+        result["dropped"] = dropped
+        result["lmcache_error"] = "; ".join(f"{k}: {v}" for k, v in dropped.items()) or None
         result["pickle_max_tokens"] = PICKLE_MAX_TOKENS
         result["proof"] = proofs
         result["store_s"] = store_s
@@ -499,9 +522,8 @@ def _report(rows, notes, dev) -> dict:
 
 def run(args) -> int:
     if not torch.cuda.is_available():
-        print("loadback bench gpu needs a CUDA device (torch.cuda.is_available() is False); "
-              "run it on a GPU host")
-        return 0
+        print(NO_CUDA, file=sys.stderr)
+        return EXIT_UNAVAILABLE
     path = getattr(args, "json", None)
     result = run_sizes(SIZES, torch.device("cuda", torch.cuda.current_device()),
                        samples=int(getattr(args, "samples", 0) or 0),
@@ -510,4 +532,7 @@ def run(args) -> int:
     if getattr(args, "json", None):
         write_json(args.json, result)
         print(f"wrote {args.json}")
-    return 0
+    code, why = verdict(result)
+    for line in why:
+        print(line)
+    return code

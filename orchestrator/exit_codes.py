@@ -1,0 +1,32 @@
+"""The `loadback` command's exit codes, one table for every subcommand (shown in `--help`).
+
+Imports nothing, so the CLI and every tool can share it without cost.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+#: a check failed: an invariant violated (chaos, demo, sglang-demo), a benchmark target missed
+#: or a contender dropped (bench), nothing could be measured (tune)
+EXIT_FAILED = 1
+#: `config validate|show`: the file is not a valid config
+EXIT_INVALID = 2
+#: `config validate|show`: the file cannot be read
+EXIT_UNREADABLE = 3
+#: bad usage (EX_USAGE): unknown command or flag, a bad flag value, an unknown scenario,
+#: `configs export` onto existing files without --force, a model config with no KV layout
+EXIT_USAGE = 64
+#: something the command needs is not there (EX_UNAVAILABLE): no CUDA device (bench gpu), the
+#: daemon unreachable (tune), no Python with sglang 0.5.23 (sglang-demo)
+EXIT_UNAVAILABLE = 69
+
+EPILOG = f"""exit codes:
+  {EXIT_OK}   ok
+  {EXIT_FAILED}   a check failed: invariant violated (chaos, demo, sglang-demo), benchmark
+      target missed or contender dropped (bench), nothing measured (tune)
+  {EXIT_INVALID}   config validate|show: invalid config (one line: file, key, fix)
+  {EXIT_UNREADABLE}   config validate|show: unreadable config file
+  {EXIT_USAGE}  bad usage: unknown command or flag, bad value, unknown scenario, configs export
+      onto existing files without --force, a model config without a KV layout (tune)
+  {EXIT_UNAVAILABLE}  a needed resource is missing: no CUDA device (bench gpu), daemon unreachable
+      (tune), no Python with sglang 0.5.23 (sglang-demo)"""
