@@ -13,6 +13,8 @@ Callers catch by meaning, never by message:
         RequestDropped             a later request was answered, this one never
       DaemonRejected               the daemon answered and said no
     SlotsError (ValueError)        the caller passed KV slots that do not fit the request
+    UnsupportedKVPool (ValueError) the engine's KV pool is one this product cannot move
+                                   byte-exact (refused at start-up, never per request)
 """
 
 from __future__ import annotations
@@ -79,3 +81,8 @@ class DaemonRejected(ConnectorError):
 
 class SlotsError(ValueError):
     """KV slots passed by the engine do not match the tokens they must hold."""
+
+
+class UnsupportedKVPool(ValueError):
+    """The engine's KV pool (its model's attention kind, or its device) is not one this
+    product can load and store byte-exact; raised at construction, saying what to do."""

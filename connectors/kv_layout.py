@@ -2,7 +2,10 @@
 
 SGLang's MHATokenToKVPool keeps ``k_buffer``/``v_buffer``: one ``[num_slots + page_size,
 num_heads, head_dim]`` tensor per layer; a token's KV sits at one slot index in every layer. An
-LMCache engine-driven chunk is ``[2, num_layers, chunk_size, hidden]`` (dim 0 = K, V). The
+LMCache engine-driven chunk is ``[2, num_layers, chunk_size, hidden]`` (dim 0 = K, V). An MLA
+pool (MLATokenToKVPool) keeps one latent ``kv_buffer`` per layer (``[slots, 1, kv_lora_rank +
+qk_rope_head_dim]``), and its chunk is ``[num_layers, chunk_size, hidden]`` (what the daemon
+registers with ``use_mla``); inside this module it moves as one "plane" where MHA has two. The
 connector calls ``gather_chunks`` before ``commit_store`` and ``scatter_chunks`` after
 ``prepare_retrieve``: the hot path of every load-back, so no per-token Python loops. Each
 (layer, K/V) moves with one index op per run of chunks: all of them when they are views of one
@@ -43,6 +46,8 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     chunk_size: int
+    #: MLA: one latent buffer per layer (no separate K and V), chunks [L, chunk, hidden].
+    mla: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim", "chunk_size"):
@@ -51,18 +56,28 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {val!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.mla, bool):
+            raise ValueError(f"KVLayout.mla must be a bool, got {self.mla!r}")
 
     @property
     def hidden_dim(self) -> int:
         return self.num_heads * self.head_dim
 
     @property
-    def chunk_shape(self) -> tuple[int, int, int, int]:
+    def planes(self) -> int:
+        """Buffers per layer: 2 (K and V), or 1 (MLA's latent KV)."""
+        return 1 if self.mla else 2
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """One chunk as the daemon registers it: [2, L, chunk, hidden], MLA [L, chunk, hidden]."""
+        if self.mla:
+            return (self.num_layers, self.chunk_size, self.hidden_dim)
         return (2, self.num_layers, self.chunk_size, self.hidden_dim)
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.hidden_dim * self.dtype.itemsize
+        return self.planes * self.num_layers * self.hidden_dim * self.dtype.itemsize
 
     @property
     def chunk_bytes(self) -> int:
@@ -83,22 +98,51 @@ class KVLayout:
         _pool_views(layout, k_buffer, v_buffer)
         return layout
 
+    @classmethod
+    def from_latent_pool(cls, kv_buffer: Sequence[torch.Tensor], chunk_size: int
+                         ) -> "KVLayout":
+        """The MLA layout of a pool holding one latent buffer per layer, each
+        [num_slots, heads, dim] (SGLang's MLATokenToKVPool: heads 1, dim kv_lora_rank +
+        qk_rope_head_dim)."""
+        first = kv_buffer[0] if len(kv_buffer) else None
+        if not isinstance(first, torch.Tensor) or first.dim() != 3:
+            raise ValueError("kv_buffer must be a list of [num_slots, 1, latent_dim] tensors")
+        layout = cls(len(kv_buffer), first.shape[1], first.shape[2], first.dtype, chunk_size,
+                     mla=True)
+        _pool_views(layout, kv_buffer, ())
+        return layout
 
-def _pool_views(layout: KVLayout, k_buffer, v_buffer) -> tuple[list, list, int, torch.device]:
-    """2-D [slots, hidden] views of every layer; ValueError if the pool does not match layout."""
-    if len(k_buffer) != layout.num_layers or len(v_buffer) != layout.num_layers:
-        raise ValueError(f"pool has {len(k_buffer)} K / {len(v_buffer)} V layers, "
-                         f"layout expects {layout.num_layers}")
+
+def _pool_views(layout: KVLayout, k_buffer, v_buffer) -> tuple[list, int, torch.device]:
+    """Per plane (K, V; or MLA's latent KV) the 2-D [slots, hidden] views of every layer;
+    ValueError if the pool does not match layout."""
+    v_buffer = () if v_buffer is None else v_buffer
+    if layout.mla and len(v_buffer):
+        raise ValueError("an MLA layout takes the latent buffers alone: pass no v_buffer")
+    if len(k_buffer) != layout.num_layers or (
+            not layout.mla and len(v_buffer) != layout.num_layers):
+        what = (f"{len(k_buffer)} latent KV" if layout.mla
+                else f"{len(k_buffer)} K / {len(v_buffer)} V")
+        raise ValueError(f"pool has {what} layers, layout expects {layout.num_layers}")
     size, dev = k_buffer[0].shape[0], k_buffer[0].device
     want = (size, layout.num_heads, layout.head_dim)
-    views: dict[str, list] = {"k_buffer": [], "v_buffer": []}
-    for name, bufs in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+    named = (("kv_buffer", k_buffer),) if layout.mla else (("k_buffer", k_buffer),
+                                                           ("v_buffer", v_buffer))
+    planes: list[list[torch.Tensor]] = []
+    for name, bufs in named:
+        views = []
         for i, b in enumerate(bufs):
             if tuple(b.shape) != want or b.dtype != layout.dtype or b.device != dev:
                 raise ValueError(f"{name}[{i}] is {tuple(b.shape)} {b.dtype} on {b.device}, "
                                  f"expected {want} {layout.dtype} on {dev}")
-            views[name].append(b.view(size, layout.hidden_dim))
-    return views["k_buffer"], views["v_buffer"], size, dev
+            views.append(b.view(size, layout.hidden_dim))
+        planes.append(views)
+    return planes, size, dev
+
+
+def _planar(layout: KVLayout, chunks: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """Chunks as [planes, L, chunk, hidden] views (MLA's [L, chunk, hidden] gains a dim 0)."""
+    return [t.unsqueeze(0) for t in chunks] if layout.mla else chunks
 
 
 def check_slots(layout: KVLayout, slots: torch.Tensor, num_tokens: int, *,
@@ -148,9 +192,9 @@ def _run_start(slots: torch.Tensor) -> int | None:
 
 
 def _token_major(chunks: Sequence[torch.Tensor], c: int) -> torch.Tensor | None:
-    """[2, L, n*c, hidden] view if chunk j is base[:, :, j*c:(j+1)*c] of one tensor, else None."""
+    """[P, L, n*c, hidden] view if chunk j is base[:, :, j*c:(j+1)*c] of one tensor, else None."""
     first, rows = chunks[0], len(chunks) * c
-    st, (_, layers, _, hid) = first.stride(), first.shape
+    st, (planes, layers, _, hid) = first.stride(), first.shape
     if len(chunks) < 2 or st[3] != 1 or st[2] != hid or st[1] < rows * hid \
             or st[0] < layers * st[1]:
         return None
@@ -160,7 +204,7 @@ def _token_major(chunks: Sequence[torch.Tensor], c: int) -> torch.Tensor | None:
                 or t.data_ptr() != base + j * c * hid * t.element_size()):
             return None
     try:
-        return first.as_strided((2, layers, rows, hid), st)
+        return first.as_strided((planes, layers, rows, hid), st)
     except RuntimeError:  # would reach past the storage
         return None
 
@@ -177,13 +221,13 @@ def _wide(a: torch.Tensor, b: torch.Tensor, *wide: torch.dtype) -> tuple[torch.T
     return a, b
 
 
-def _move_rows(ks, vs, idx: torch.Tensor, t: torch.Tensor, start: int | None,
+def _move_rows(planes, idx: torch.Tensor, t: torch.Tensor, start: int | None,
                gather: bool) -> None:
-    """gather: t[kv, l, r] = pool[kv][l][idx[r]]; scatter: the reverse. t is [2, L, R, hidden]."""
+    """gather: t[p, l, r] = planes[p][l][idx[r]]; scatter: the reverse. t is [P, L, R, hidden]."""
     rows = idx.numel()
-    for l in range(len(ks)):
-        for kv, pool in ((0, ks[l]), (1, vs[l])):
-            x = t[kv, l]
+    for l in range(len(planes[0])):
+        for kv, bufs in enumerate(planes):
+            pool, x = bufs[l], t[kv, l]
             if start is not None:
                 (x.copy_(pool[start:start + rows]) if gather
                  else pool[start:start + rows].copy_(x))
@@ -209,7 +253,7 @@ def _group_chunks(layout: KVLayout, dev: torch.device) -> int:
 
 
 def _runs(layout: KVLayout, chunks: Sequence[torch.Tensor], dev: torch.device) -> list:
-    """(first chunk, count, [2, L, count*chunk, hidden] view, or None: go through scratch)."""
+    """(first chunk, count, [P, L, count*chunk, hidden] view, or None: go through scratch)."""
     n, same = len(chunks), all(t.device == dev for t in chunks)
     tm = _token_major(chunks, layout.chunk_size) if same else None
     if tm is not None:
@@ -221,8 +265,8 @@ def _runs(layout: KVLayout, chunks: Sequence[torch.Tensor], dev: torch.device) -
 
 
 def _scratch(layout: KVLayout, chunks: int, dev: torch.device) -> torch.Tensor:
-    """Contiguous [2, L, chunks*chunk, hidden]; on CPU a per-thread buffer (never returned)."""
-    shape = (2, layout.num_layers, chunks * layout.chunk_size, layout.hidden_dim)
+    """Contiguous [P, L, chunks*chunk, hidden]; on CPU a per-thread buffer (never returned)."""
+    shape = (layout.planes, layout.num_layers, chunks * layout.chunk_size, layout.hidden_dim)
     if dev.type != "cpu":  # the caching allocator already reuses device memory
         return torch.empty(shape, dtype=layout.dtype, device=dev)
     nbytes = chunks * layout.chunk_bytes
@@ -235,14 +279,14 @@ def _scratch(layout: KVLayout, chunks: int, dev: torch.device) -> torch.Tensor:
 
 
 def _copy_out(layout: KVLayout, grp: Sequence[torch.Tensor], sc: torch.Tensor) -> None:
-    """Split a gathered [2, L, n*chunk, hidden] scratch into the n chunk tensors of grp."""
+    """Split a gathered [P, L, n*chunk, hidden] scratch into the n chunk views of grp."""
     first, c = grp[0], layout.chunk_size
     same = all(t.device == sc.device for t in grp)
     if same and all(  # back to back in one tensor (one block, or shm slots in a row)
             t.is_contiguous() and t.data_ptr() == first.data_ptr() + j * layout.chunk_bytes
             and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
             for j, t in enumerate(grp)):
-        block = first.as_strided((len(grp), *layout.chunk_shape), (first.numel(), *first.stride()))
+        block = first.as_strided((len(grp), *first.shape), (first.numel(), *first.stride()))
         block.copy_(sc.unflatten(2, (len(grp), c)).permute(2, 0, 1, 3, 4))
     elif same:  # one call instead of one per chunk
         torch._foreach_copy_(list(grp), list(sc.split(c, dim=2)))
@@ -257,11 +301,12 @@ def gather_chunks(layout: KVLayout, k_buffer: Sequence[torch.Tensor],
                   chunk_indices: list[int] | None = None) -> list[torch.Tensor]:
     """Copy the KV of ``slots`` into chunk tensors; called by the connector before commit_store.
 
+    For an MLA layout ``k_buffer`` holds the latent buffers and ``v_buffer`` is empty.
     ``len(slots)`` must be a whole number of chunks. Returns one ``chunk_shape`` tensor per
     chunk (or per ``chunk_indices`` entry, in that order); on CPU each owns its storage. With
     ``out``, ``out[i]`` is written in place (it may be shared memory). Never writes the pool.
     """
-    ks, vs, pool_size, dev = _pool_views(layout, k_buffer, v_buffer)
+    planes, pool_size, dev = _pool_views(layout, k_buffer, v_buffer)
     n_tok = slots.numel() if isinstance(slots, torch.Tensor) else -1
     slots = check_slots(layout, slots, n_tok, pool_size=pool_size, device=dev)
     c, n_chunks = layout.chunk_size, n_tok // layout.chunk_size
@@ -282,28 +327,30 @@ def gather_chunks(layout: KVLayout, k_buffer: Sequence[torch.Tensor],
     if idx != list(range(n_chunks)):
         slots = slots.view(n_chunks, c)[torch.tensor(idx, device=dev)].reshape(-1)
     start = _run_start(slots)
-    for j0, cnt, view in _runs(layout, out, dev):
+    views = _planar(layout, out)
+    for j0, cnt, view in _runs(layout, views, dev):
         run = slots[j0 * c:(j0 + cnt) * c]
         first = None if start is None else start + j0 * c
         if view is not None:
-            _move_rows(ks, vs, run, view, first, gather=True)
+            _move_rows(planes, run, view, first, gather=True)
         else:
             sc = _scratch(layout, cnt, dev)
-            _move_rows(ks, vs, run, sc, first, gather=True)
-            _copy_out(layout, out[j0:j0 + cnt], sc)
+            _move_rows(planes, run, sc, first, gather=True)
+            _copy_out(layout, views[j0:j0 + cnt], sc)
     return out
 
 
 def scatter_chunks(layout: KVLayout, chunks: Sequence[torch.Tensor],
                    k_buffer: Sequence[torch.Tensor], v_buffer: Sequence[torch.Tensor],
                    slots: torch.Tensor) -> None:
-    """Write chunk j into ``slots[j*chunk:(j+1)*chunk]`` of every layer, K and V.
+    """Write chunk j into ``slots[j*chunk:(j+1)*chunk]`` of every layer, K and V (MLA: the
+    latent buffers, passed as ``k_buffer``, ``v_buffer`` empty).
 
     Called by the connector after prepare_retrieve with tensors that came off the socket.
     Validates every chunk (ProtocolError) and the slots (SlotsError) before writing anything:
     a bad reply must never leave a half-written prefix in the pool.
     """
-    ks, vs, pool_size, dev = _pool_views(layout, k_buffer, v_buffer)
+    planes, pool_size, dev = _pool_views(layout, k_buffer, v_buffer)
     if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence):
         raise ProtocolError(f"chunks must be a list of tensors, got {type(chunks).__name__}")
     for i, ch in enumerate(chunks):
@@ -317,22 +364,35 @@ def scatter_chunks(layout: KVLayout, chunks: Sequence[torch.Tensor],
     slots = check_slots(layout, slots, len(chunks) * c, pool_size=pool_size, device=dev)
     if not chunks:
         return
-    chunks = [ch if ch.device == dev else ch.to(dev) for ch in chunks]
+    chunks = _planar(layout, [ch if ch.device == dev else ch.to(dev) for ch in chunks])
     start = _run_start(slots)
     for j0, cnt, view in _runs(layout, chunks, dev):
         if view is None:
             view = _scratch(layout, cnt, dev)
             torch.stack(chunks[j0:j0 + cnt], dim=2, out=view.unflatten(2, (cnt, c)))
-        _move_rows(ks, vs, slots[j0 * c:(j0 + cnt) * c], view,
+        _move_rows(planes, slots[j0 * c:(j0 + cnt) * c], view,
                    None if start is None else start + j0 * c, gather=False)
 
 
 @dataclass(frozen=True)
 class KVPool:
-    """The engine's KV memory: per layer a K and a V tensor `[slots, heads, head_dim]`."""
+    """The engine's KV memory: per layer a K and a V tensor `[slots, heads, head_dim]`; an MLA
+    pool (`KVPool.latent`) keeps its one latent buffer per layer in `k_buffer`, no V."""
 
     k_buffer: Sequence[torch.Tensor]
-    v_buffer: Sequence[torch.Tensor]
+    v_buffer: Sequence[torch.Tensor] = ()
+
+    @classmethod
+    def latent(cls, kv_buffer: Sequence[torch.Tensor]) -> "KVPool":
+        """An MLA pool: SGLang's MLATokenToKVPool.kv_buffer."""
+        return cls(list(kv_buffer), ())
+
+    @property
+    def kv_buffer(self) -> Sequence[torch.Tensor]:
+        """The latent buffers of an MLA pool."""
+        if len(self.v_buffer):
+            raise AttributeError("an MHA pool (K and V buffers) has no latent kv_buffer")
+        return self.k_buffer
 
     @property
     def num_slots(self) -> int:
@@ -350,7 +410,7 @@ def scatter_skipping(layout: KVLayout, chunks, pool: KVPool, slots: torch.Tensor
             raise ProtocolError(f"chunk {i} is not a {layout.chunk_shape} {layout.dtype} tensor")
     head = layout.chunk_size - skip
     head_layout = dataclasses.replace(layout, chunk_size=head)
-    scatter_chunks(head_layout, [chunks[0][:, :, skip:, :].contiguous()],
+    scatter_chunks(head_layout, [chunks[0][..., skip:, :].contiguous()],
                    pool.k_buffer, pool.v_buffer, slots[:head])
     if len(chunks) > 1:
         scatter_chunks(layout, chunks[1:], pool.k_buffer, pool.v_buffer, slots[head:])

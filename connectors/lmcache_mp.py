@@ -41,6 +41,7 @@ from .errors import (
     RequestDropped,
     ShortRead,
     SlotsError,
+    UnsupportedKVPool,
     VersionSkew,
 )
 from .gpu_transfer import GpuTransfer, on_cuda, pool_device
@@ -148,6 +149,14 @@ class _Settle:
         return True
 
 
+def _refuse_cuda_mla(layout: KVLayout) -> None:
+    if layout.mla:
+        raise UnsupportedKVPool(
+            "loadback: an MLA KV pool on CUDA is not supported (the GPU data path moves "
+            "K/V pools only; MLA load-back runs with the KV pool on CPU); start without "
+            "--radix-cache-backend loadback to serve this model on GPU")
+
+
 class LMCacheMPConnector:
     """Client of one LMCache MP daemon for one KV rank of one model."""
 
@@ -165,12 +174,18 @@ class LMCacheMPConnector:
         transport: ZmqTransport | None = None,
         device: torch.device | str | None = None,
         gpu_sync: bool = False,
+        num_kv_readers: int = 1,
+        writer: bool = True,
     ) -> None:
         """`device`: the KV pool's device when it is CUDA, so the daemon's segment is
         page-locked at registration (else at the first CUDA load). `gpu_sync`: a CUDA
-        load waits for its copy before returning (`Retrieved.ready` is then None)."""
+        load waits for its copy before returning (`Retrieved.ready` is then None).
+        `num_kv_readers`: ranks that read each stored object (TP-replicated MLA: the TP
+        size); `writer`: False on a rank whose stores another rank makes for it."""
         if transfer not in ("auto", "pickle", "shm"):
             raise ValueError(f"transfer must be 'auto', 'pickle' or 'shm', got {transfer!r}")
+        if device is not None and torch.device(device).type == "cuda":
+            _refuse_cuda_mla(layout)
         self.endpoint = endpoint
         self.layout = layout
         self.model_name = model_name
@@ -184,8 +199,11 @@ class LMCacheMPConnector:
         self._gpu: GpuTransfer | None = None
         if device is not None and torch.device(device).type == "cuda":
             self._gpu = GpuTransfer(device, sync=gpu_sync)
-        #: Readers of each stored object: 1 when every rank holds its own shard of the KV.
-        self.num_kv_readers = 1
+        #: Readers of each stored object: 1 when every rank holds its own shard of the KV,
+        #: the TP size for TP-replicated MLA (a LOOKUP then read-locks once per rank).
+        self.num_kv_readers = num_kv_readers
+        #: Whether this rank STOREs: TP-replicated MLA has one writer (TP rank 0).
+        self.writer = writer
         self.instance_id = instance_id if instance_id is not None else _new_instance_id()
         self.transport = transport or ZmqTransport(endpoint, connect_timeout_s=connect_timeout_s)
         self._shm: _ShmPool | None = None
@@ -211,7 +229,10 @@ class LMCacheMPConnector:
         end: int | None = None,
         lookup: bool = False,
         cache_salt: str = "",
+        readers: int | None = None,
     ) -> wire.CacheKey:
+        """`readers`: read locks per object the call takes or releases (default
+        `num_kv_readers`, what the group's LOOKUP took; 1 for one rank's own share)."""
         end = self.aligned(len(token_ids)) if end is None else end
         return wire.CacheKey(
             model_name=self.model_name,
@@ -222,7 +243,7 @@ class LMCacheMPConnector:
             end=end,
             request_id=request_id,
             cache_salt=cache_salt,
-            num_kv_readers=self.num_kv_readers,
+            num_kv_readers=self.num_kv_readers if readers is None else readers,
         )
 
     # -- plain operations ------------------------------------------------------
@@ -270,7 +291,7 @@ class LMCacheMPConnector:
             instance_id=self.instance_id, model_name=self.model_name,
             world_size=self.world_size, block_size=1,
             num_layers=self.layout.num_layers, hidden_dim_size=self.layout.hidden_dim,
-            dtype_str=self.layout.dtype_str, use_mla=False,
+            dtype_str=self.layout.dtype_str, use_mla=self.layout.mla,
             num_physical_slots=self.chunk_size,
         )
         # Registration and noop are both answered inline, in arrival order: a noop answer
@@ -351,6 +372,7 @@ class LMCacheMPConnector:
         with self._map_lock:
             gpu = self._gpu
             if gpu is None or gpu.device != dev:
+                _refuse_cuda_mla(self.layout)
                 if gpu is not None:
                     gpu.close()
                 log.warning("KV pool on %s: page-locking the daemon's segment now; pass "
@@ -388,10 +410,11 @@ class LMCacheMPConnector:
     def free_locks(self, token_ids: Sequence[int], request_id: str, start: int, end: int,
                    timeout_s: float, *, cache_salt: str = "", shard: bool = False) -> None:
         """free_lookup_locks of [start, end): every KV rank's share of those chunks, as the
-        group's LOOKUP locked them, or with `shard` this rank's alone."""
+        group's LOOKUP locked them, or with `shard` this rank's alone (one read lock per
+        object: under TP-replicated MLA the other ranks' locks on it stay theirs)."""
         if end > start:
             key = self.key(token_ids, request_id, start=start, end=end, lookup=not shard,
-                           cache_salt=cache_salt)
+                           cache_salt=cache_salt, readers=1 if shard else None)
             self.free_lookup_locks(key, timeout_s)
 
     def settle_lookup(self, token_ids: Sequence[int], request_id: str, timeout_s: float,
@@ -733,10 +756,12 @@ class LMCacheMPConnector:
         timeout_s: float,
         cache_salt: str = "",
     ) -> bool:
-        """STORE the whole chunks of `token_ids`, whose KV sits in `slots`."""
+        """STORE the whole chunks of `token_ids`, whose KV sits in `slots`. A rank that is not
+        the writer (`writer` False: TP-replicated MLA, where rank 0 stores the one copy)
+        answers True without calling the daemon."""
         deadline = time.monotonic() + timeout_s
         end = self.aligned(len(token_ids))
-        if end == 0:
+        if end == 0 or not self.writer:
             return True
         slots = check_slots(self.layout, slots[:end], end, pool_size=pool.num_slots)
         self._check_pickle_size(end)

@@ -13,6 +13,8 @@ from .core import LoadBackOrchestrator
 def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, metrics=None,
                         tp_group=None, kv_rank: int = 0, world_size: int = 1
                         ) -> LoadBackOrchestrator:
+    """`kv_rank`/`world_size`: this process's TP rank and the TP size. With a sharded (MHA)
+    layout each rank is its own KV rank; with an MLA layout see `kv_geometry`."""
     if layout.chunk_size != (config.ip.chunk_size if config.mode == "ip" else config.chunk_size):
         raise ValueError(
             f"KV layout chunk_size {layout.chunk_size} differs from the config's "
@@ -25,9 +27,10 @@ def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, me
 
         owned = InProcessDaemon(config.ip).start()
         endpoint = owned.endpoint
+    kv_world, kv_worker, readers, writer = kv_geometry(layout, kv_rank, world_size)
     connector = LMCacheMPConnector(
-        endpoint, layout, model_name=config.model_name, world_size=world_size,
-        kv_rank=kv_rank, transfer=config.transfer,
+        endpoint, layout, model_name=config.model_name, world_size=kv_world,
+        kv_rank=kv_worker, num_kv_readers=readers, writer=writer, transfer=config.transfer,
         connect_timeout_s=config.deadlines.connect_ms / 1000,
         # a CUDA pool: page-lock the daemon's segment at registration, not at the first load
         device=_pool_device(kv_pool))
@@ -44,6 +47,19 @@ def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, me
         orch.metrics_server = server
         orch.on_close(server.close)
     return orch
+
+
+def kv_geometry(layout: KVLayout, tp_rank: int, tp_size: int) -> tuple[int, int, int, bool]:
+    """(KV world size, worker id, readers per object, writer) the daemon sees for a TP rank.
+
+    Sharded KV (MHA): one KV rank per TP rank, one reader each, every rank writes its shard.
+    TP-replicated MLA (every rank holds the same latent KV), as lmcache 0.5.6's SGLang MP
+    connector does it (`_resolve_kv_geometry` with mla_only, PP 1): one KV object for the
+    group (world size 1, every rank worker 0), read-locked once per TP rank, stored by TP
+    rank 0 alone."""
+    if layout.mla:
+        return 1, 0, tp_size, tp_rank == 0
+    return tp_size, tp_rank, 1, True
 
 
 def _pool_device(kv_pool):

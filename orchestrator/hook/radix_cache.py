@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from orchestrator.states import DegradeReason
 
-from . import compat
+from . import compat, pools
 from .prefetch import PrefetchHooks
 from .promises import (
     Lookup,
@@ -52,6 +52,8 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
         self._lookups: dict[Any, Lookup] = {}
         self._stores: dict[Any, StoreJob] = {}
         self._store_worker: StoreWorker | None = None
+        # A pool this backend cannot move byte-exact is refused here, at start-up.
+        pools.pool_kind(params.token_to_kv_pool_allocator.get_kvcache())
         super().__init__(params)
         self.config = config
         chunk = config.chunk_size
@@ -83,6 +85,8 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
     def from_build_context(cls, ctx) -> "LoadBackRadixCache":
         from orchestrator.config import LoadBackConfig
 
+        # The model first: a hybrid or unknown pool is refused in one line, whatever else.
+        pools.check_build_context(ctx, ctx.params.token_to_kv_pool_allocator.get_kvcache())
         path = getattr(ctx.server_args, "lmcache_config_file", None)
         if not path:
             from sglang.srt.runtime_context import get_memory
@@ -100,14 +104,14 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
                    tp_group=group)
 
     def _build_orchestrator(self, config, tp_size, tp_rank, tp_group):
-        from connectors.kv_layout import KVLayout, KVPool
         from orchestrator.factory import create_orchestrator
 
-        k, v = list(self.kvcache.k_buffer), list(self.kvcache.v_buffer)
         chunk = config.ip.chunk_size if config.mode == "ip" else config.chunk_size
-        layout = KVLayout.from_pool(k, v, chunk)
+        # MHA: per-layer K and V; MLA: the latent buffers (TP-replicated: one writer, every
+        # rank reads; the factory gives the daemon that geometry).
+        layout, kv_pool = pools.layout_and_pool(self.kvcache, chunk)
         # Never waits on the daemon: registration happens on the orchestrator's heartbeat.
-        return create_orchestrator(config, layout=layout, kv_pool=KVPool(k, v),
+        return create_orchestrator(config, layout=layout, kv_pool=kv_pool,
                                    tp_group=tp_group, kv_rank=tp_rank, world_size=tp_size)
 
     def close(self) -> None:

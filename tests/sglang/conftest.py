@@ -74,34 +74,40 @@ def make_config(port: int, **over) -> LoadBackConfig:
     return LoadBackConfig.from_dict(base)
 
 
-def fill(pool, slots: torch.Tensor, ids, start: int) -> None:
-    """The KV a prefill computes: a function of (token, position, layer)."""
-    pos = torch.arange(start, start + len(slots), dtype=torch.float32)
-    tok = torch.tensor(list(ids), dtype=torch.float32)
-    for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer)):
-        base = (tok * 0.013 + pos * 0.0007 + layer * 0.5)[:, None, None]
-        grid = torch.arange(k.shape[1] * k.shape[2], dtype=torch.float32).view(1, k.shape[1], k.shape[2])
-        k[slots.long()] = torch.sin(base + grid * 0.01).to(k.dtype)
-        v[slots.long()] = torch.cos(base - grid * 0.02).to(v.dtype)
+def _planes(pool) -> tuple:
+    """Per-layer buffers per plane: (K, V) of an MHA pool, (latent KV,) of an MLA pool."""
+    return (pool.k_buffer, pool.v_buffer) if hasattr(pool, "k_buffer") else (pool.kv_buffer,)
 
 
-def expected_kv(pool, ids, start: int) -> list[torch.Tensor]:
-    """What `fill` writes for ids at positions start.., read back through scratch slots."""
-    out = []
+def _values(buf, plane: int, layer: int, ids, start: int) -> torch.Tensor:
     pos = torch.arange(start, start + len(ids), dtype=torch.float32)
     tok = torch.tensor(list(ids), dtype=torch.float32)
-    for layer, k in enumerate(pool.k_buffer):
-        base = (tok * 0.013 + pos * 0.0007 + layer * 0.5)[:, None, None]
-        grid = torch.arange(k.shape[1] * k.shape[2], dtype=torch.float32).view(1, k.shape[1], k.shape[2])
-        out.append((torch.sin(base + grid * 0.01).to(k.dtype), torch.cos(base - grid * 0.02).to(k.dtype)))
-    return out
+    base = (tok * 0.013 + pos * 0.0007 + layer * 0.5)[:, None, None]
+    grid = torch.arange(buf.shape[1] * buf.shape[2], dtype=torch.float32).view(
+        1, buf.shape[1], buf.shape[2])
+    wave = torch.sin(base + grid * 0.01) if plane == 0 else torch.cos(base - grid * 0.02)
+    return wave.to(buf.dtype)
+
+
+def fill(pool, slots: torch.Tensor, ids, start: int) -> None:
+    """The KV a prefill computes: a function of (token, position, layer) (MHA: K and V; MLA:
+    the latent KV)."""
+    for plane, bufs in enumerate(_planes(pool)):
+        for layer, buf in enumerate(bufs):
+            buf[slots.long()] = _values(buf, plane, layer, ids, start)
 
 
 def kv_matches(pool, slots: torch.Tensor, ids, start: int) -> bool:
-    for (ek, ev), k, v in zip(expected_kv(pool, ids, start), pool.k_buffer, pool.v_buffer):
-        if not (torch.equal(k[slots.long()], ek) and torch.equal(v[slots.long()], ev)):
-            return False
-    return True
+    return all(torch.equal(buf[slots.long()], _values(buf, plane, layer, ids, start))
+               for plane, bufs in enumerate(_planes(pool)) for layer, buf in enumerate(bufs))
+
+
+def load_outcome(pool, got: dict, ids, took_s: float) -> dict:
+    """One admit as a TP rank reports it: the hit, what loaded, byte-exact, how long."""
+    dev, n = got["device"], got["loaded"]
+    return {"host_hit": got["host_hit"], "loaded": n,
+            "exact": bool(n) and kv_matches(pool, got["loaded_slots"], ids[dev:dev + n], dev),
+            "took_s": took_s}
 
 
 class Sched:
@@ -287,18 +293,29 @@ def tree_consistent(cache, *, idle: bool = False) -> None:
     assert cache.protected_size() == protected, (cache.protected_size(), protected)
 
 
-def make_params(page_size: int, slots: int = 1024):
-    """SGLang's real pools and allocator, as the scheduler builds them (CPU)."""
+def make_params(page_size: int, slots: int = 1024, *, mla: bool = False, kv=None):
+    """SGLang's real pools and allocator, as the scheduler builds them (CPU). `mla`: the
+    MLATokenToKVPool of a DeepSeek-V2-style model (latent 64 + rope 16, bf16); `kv`: a KV
+    pool built by the caller."""
     from sglang.srt.mem_cache.allocator import (
         PagedTokenToKVPoolAllocator,
         TokenToKVPoolAllocator,
     )
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import (
+        MHATokenToKVPool,
+        MLATokenToKVPool,
+        ReqToTokenPool,
+    )
 
     publish(page_size)
-    kv = MHATokenToKVPool(slots, page_size=page_size, dtype=torch.float16, head_num=2,
-                          head_dim=16, layer_num=2, device="cpu", enable_memory_saver=False)
+    if kv is None and mla:
+        kv = MLATokenToKVPool(slots, page_size=page_size, dtype=torch.bfloat16,
+                              kv_lora_rank=64, qk_rope_head_dim=16, layer_num=2,
+                              device="cpu", enable_memory_saver=False)
+    elif kv is None:
+        kv = MHATokenToKVPool(slots, page_size=page_size, dtype=torch.float16, head_num=2,
+                              head_dim=16, layer_num=2, device="cpu", enable_memory_saver=False)
     if page_size == 1:
         alloc = TokenToKVPoolAllocator(slots, torch.float16, "cpu", kv, need_sort=False)
     else:
@@ -314,10 +331,11 @@ def make_cache(request):
     """Build LoadBackRadixCache on SGLang's real pools; closed after the test."""
     made = []
 
-    def build(page_size: int, config: LoadBackConfig, *, slots: int = 1024, **kw):
+    def build(page_size: int, config: LoadBackConfig, *, slots: int = 1024, mla: bool = False,
+              **kw):
         from orchestrator.hook.radix_cache import LoadBackRadixCache
 
-        cache = LoadBackRadixCache(make_params(page_size, slots), config=config, **kw)
+        cache = LoadBackRadixCache(make_params(page_size, slots, mla=mla), config=config, **kw)
         made.append(cache)
         return cache
 

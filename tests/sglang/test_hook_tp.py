@@ -36,7 +36,7 @@ def _held(status_url: str) -> dict:
 def _rank_main(rank: int, dist_port: int, daemon_port: int, daemon_pid: int,
                status_url: str, out) -> None:
     try:
-        from tests.sglang.conftest import Sched, kv_matches, make_config, make_params
+        from tests.sglang.conftest import Sched, load_outcome, make_config, make_params
 
         from orchestrator.hook.radix_cache import LoadBackRadixCache
 
@@ -70,12 +70,7 @@ def _rank_main(rank: int, dist_port: int, daemon_port: int, daemon_pid: int,
             req = s.new_req(rid, ids)
             t0 = time.monotonic()
             got = s.admit(req)
-            res[name] = {"host_hit": got["host_hit"], "loaded": got["loaded"],
-                         "exact": bool(got["loaded"]) and kv_matches(
-                             s.pool, got["loaded_slots"], ids[got["device"]:
-                                                              got["device"] + got["loaded"]],
-                             got["device"]),
-                         "took_s": time.monotonic() - t0}
+            res[name] = load_outcome(s.pool, got, ids, time.monotonic() - t0)
             s.finish(req)
             return req
 

@@ -277,3 +277,105 @@ def test_cuda_pool_with_cpu_out():
     assert_rows_equal(layout, k1, v1, src.cuda(), k2, v2, dst.cuda())
     on_dev = gather_chunks(layout, k1, v1, src.cuda())
     assert all(a.is_cuda and beq(a.cpu(), b) for a, b in zip(on_dev, out))
+
+
+# -- MLA: one latent buffer per layer, chunks [L, chunk, hidden] (the daemon's use_mla shape)
+
+LATENT = 576  # DeepSeek-V2/V3: kv_lora_rank 512 + qk_rope_head_dim 64
+
+
+def latent_pool(layout: KVLayout, slots: int = POOL, seed: int = 0) -> list[torch.Tensor]:
+    """SGLang's MLATokenToKVPool.kv_buffer: per layer [slots + 1, 1, latent]; random bits."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (slots + 1, layout.num_heads, layout.head_dim)
+    return [torch.randint(-(2**15), 2**15, shape, generator=g, dtype=torch.int16)
+            .view(layout.dtype) for _ in range(layout.num_layers)]
+
+
+def mla_layout(num_layers: int = 3, chunk_size: int = 16, dtype=torch.bfloat16) -> KVLayout:
+    return KVLayout.from_latent_pool([torch.zeros(8, 1, LATENT, dtype=dtype)] * num_layers,
+                                     chunk_size)
+
+
+def test_mla_layout_shape_matches_the_daemons_use_mla_registration():
+    layout = mla_layout(4, 256)
+    assert layout == KVLayout(4, 1, LATENT, torch.bfloat16, 256, mla=True)
+    assert layout.planes == 1 and layout.hidden_dim == LATENT
+    assert layout.chunk_shape == (4, 256, LATENT)  # [num_layers, slots, hidden]
+    assert layout.bytes_per_token == 4 * LATENT * 2
+    assert layout.chunk_bytes == layout.bytes_per_token * 256
+    with pytest.raises(ValueError, match="mla"):
+        KVLayout(4, 1, LATENT, torch.bfloat16, 256, mla=1)
+    kv = [torch.zeros(65, 1, LATENT) for _ in range(2)]
+    with pytest.raises(ValueError, match="no v_buffer"):
+        gather_chunks(mla_layout(2), kv, kv, torch.arange(16))
+    with pytest.raises(ValueError, match="kv_buffer"):
+        KVLayout.from_latent_pool(kv[:1] + [torch.zeros(65, 1, 8)], 16)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 256])
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_mla_round_trip_between_latent_pools(chunk_size, contiguous):
+    layout = mla_layout(3, chunk_size)
+    a, b = latent_pool(layout, seed=1), latent_pool(layout, seed=2)
+    before = [t.clone() for t in b]
+    if contiguous:
+        src, dst = torch.arange(40, 40 + 1024), torch.arange(3, 3 + 1024)
+    else:
+        g = torch.Generator().manual_seed(3)
+        src = torch.randperm(POOL, generator=g)[:1024] + 1
+        dst = torch.randperm(POOL, generator=g)[:1024] + 1
+    chunks = gather_chunks(layout, a, (), src)
+    assert all(c.shape == layout.chunk_shape and c.dtype == layout.dtype for c in chunks)
+    for j, c in enumerate(chunks):  # chunk j: [layer, token, latent] of its tokens
+        s = src[j * chunk_size:(j + 1) * chunk_size]
+        assert all(beq(c[l], a[l][s].reshape(chunk_size, -1)) for l in range(3))
+    scatter_chunks(layout, chunks, b, (), dst)
+    untouched = torch.ones(POOL + 1, dtype=torch.bool)
+    untouched[dst] = False
+    for l in range(3):
+        assert beq(b[l][dst], a[l][src])
+        assert beq(b[l][untouched], before[l][untouched])
+
+
+@pytest.mark.parametrize("op_bytes", [1, 64 << 10, 1 << 30])
+def test_mla_every_path_is_exact(monkeypatch, op_bytes):
+    """Per-chunk, grouped scratch, token-major views and shared out buffers, for MLA."""
+    import connectors.kv_layout as kvl
+
+    monkeypatch.setattr(kvl, "_OP_BYTES", op_bytes)
+    layout = mla_layout(2, 16)
+    a, b = latent_pool(layout, seed=1), latent_pool(layout, seed=2)
+    src, dst = torch.randperm(POOL)[:256] + 1, torch.randperm(POOL)[:256] + 1
+    chunks = gather_chunks(layout, a, (), src)
+    staging = torch.empty(2, 256, LATENT, dtype=layout.dtype)  # token-major: [L, N, hidden]
+    views = [staging[:, j * 16:(j + 1) * 16] for j in range(16)]
+    gather_chunks(layout, a, (), src, out=views)
+    assert beq(torch.stack(views), torch.stack(chunks))
+    block = torch.empty((3, *layout.chunk_shape), dtype=layout.dtype)  # back to back (shm)
+    gather_chunks(layout, a, (), src, out=list(block.unbind(0)), chunk_indices=[15, 0, 7])
+    assert all(beq(block[i], chunks[j]) for i, j in enumerate([15, 0, 7]))
+    scatter_chunks(layout, views, b, (), dst)
+    assert all(beq(b[l][dst], a[l][src]) for l in range(2))
+
+
+def test_mla_scatter_skipping_and_refusals():
+    from connectors.kv_layout import KVPool, scatter_skipping
+
+    layout = mla_layout(2, 16)
+    a, b = latent_pool(layout, seed=1), latent_pool(layout, seed=2)
+    pool = KVPool.latent(b)
+    assert pool.kv_buffer is pool.k_buffer and pool.num_slots == POOL + 1
+    src, dst = torch.randperm(POOL)[:48] + 1, torch.randperm(POOL)[:48] + 1
+    chunks = gather_chunks(layout, a, (), src)
+    scatter_skipping(layout, chunks, pool, dst[5:], 5)  # the first 5 tokens already cached
+    assert all(beq(b[l][dst[5:]], a[l][src[5:]]) for l in range(2))
+    before = [t.clone() for t in b]
+    mha_shaped = [torch.zeros((2, *layout.chunk_shape), dtype=layout.dtype)] * 3
+    with pytest.raises(ProtocolError, match="expected"):
+        scatter_chunks(layout, mha_shaped, b, (), dst)
+    with pytest.raises(ProtocolError):
+        scatter_skipping(layout, chunks[:2] + mha_shaped[:1], pool, dst[5:], 5)
+    assert all(beq(x, y) for x, y in zip(b, before))
+    with pytest.raises(AttributeError, match="MHA"):
+        KVPool([torch.zeros(4, 1, 8)], [torch.zeros(4, 1, 8)]).kv_buffer
