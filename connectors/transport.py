@@ -19,9 +19,13 @@ Design choices, each answering one of the daemon's traps:
 - `CONNECT_TIMEOUT`, `RECONNECT_IVL(_MAX)`: TCP connects never inherit the OS timeout.
 - A sentinel socket with a ZMQ monitor counts (re)connections: `epoch` increases when a
   new daemon process accepts us after a disconnect, which is how a restart is noticed.
-  A disconnect marks the daemon down at once: until a daemon accepts us again, a call
-  that finds no connection raises DaemonUnavailable without waiting, and calls already
-  waiting for a reply that can no longer come end with DaemonTimeout.
+  The monitor is attached before the sentinel connects: a first handshake it missed would
+  make the first restart look like the same daemon coming back (epoch unchanged).
+  A disconnect marks the daemon down at once: until the sentinel sees a daemon accept us
+  again, no call is sent (DaemonUnavailable without waiting), not even on a thread's
+  socket that already reconnected on its own timer: what that reached is a daemon
+  `epoch` does not name yet, and whatever a call left there would be owed to the old one.
+  Calls already waiting for a reply that can no longer come end with DaemonTimeout.
 """
 
 from __future__ import annotations
@@ -113,14 +117,18 @@ class ZmqTransport:
         self._disconnects = 0
         # It watches for the daemon coming back: retry often (a refused loopback connect is
         # one SYN), so calls that fail fast while it is down resume soon after it is up.
-        self._sentinel = self._new_socket(reconnect_ms=min(self._reconnect_ms, _WATCH_MS))
+        self._sentinel = self._new_socket(reconnect_ms=min(self._reconnect_ms, _WATCH_MS),
+                                          connect=False)
+        # Watching before connecting: the first handshake is never missed (see docstring).
         self._monitor = self._sentinel.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         )
+        self._sentinel.connect(self.endpoint)
 
     # -- sockets -------------------------------------------------------------
 
-    def _new_socket(self, reconnect_ms: int | None = None) -> zmq.Socket:
+    def _new_socket(self, reconnect_ms: int | None = None, *, connect: bool = True
+                    ) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -128,7 +136,8 @@ class ZmqTransport:
         sock.setsockopt(zmq.HANDSHAKE_IVL, self._connect_timeout_ms)
         sock.setsockopt(zmq.RECONNECT_IVL, reconnect_ms or self._reconnect_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_ms or self._reconnect_max_ms)
-        sock.connect(self.endpoint)
+        if connect:
+            sock.connect(self.endpoint)
         return sock
 
     def _socket(self) -> zmq.Socket:
@@ -171,8 +180,9 @@ class ZmqTransport:
             self._sweep_retired(epoch)
 
     def _send_fence(self, r: _Retired, now: float) -> None:
-        """Send (again) r's fence; a peer that swallows requests may have lost the last."""
-        if r.fence is None:
+        """Send (again) r's fence; a peer that swallows requests may have lost the last.
+        Never while the daemon is down: r's socket may have reconnected to a new daemon."""
+        if r.fence is None or self._disconnected:
             return
         r.fenced_at, r.refence_s = now, min(r.refence_s * 2, _REFENCE_MAX_S)
         uid = next(self._uids)
@@ -264,6 +274,8 @@ class ZmqTransport:
         deadline = time.monotonic() + max(0.0, timeout_s)
         self.epoch  # reads the monitor's events: a disconnect after this one loses the reply
         seen = self._disconnects
+        if self._disconnected:
+            raise self._unavailable(op)
         sock = self._socket()
         uid = next(self._uids)
         op_frame = OP_FRAMES[op]
@@ -337,9 +349,7 @@ class ZmqTransport:
             except zmq.Again:
                 pass
             if self._down:  # no connection, and the daemon went away: do not wait for it
-                raise DaemonUnavailable(
-                    f"{op}: the LMCache daemon at {self.endpoint} disconnected and has not "
-                    "accepted us again; check that it runs (calls resume once it does)")
+                raise self._unavailable(op)
             remaining_ms = (deadline - time.monotonic()) * 1000
             # In slices: a disconnect seen meanwhile ends the wait at once.
             if remaining_ms <= 0 or not sock.poll(max(1, min(_SLICE_MS, int(remaining_ms))),
@@ -351,6 +361,11 @@ class ZmqTransport:
                     f"{timeout_s * 1000:.0f} ms (refused, down or not accepting); "
                     "check that the daemon runs and listens there"
                 )
+
+    def _unavailable(self, op: str) -> DaemonUnavailable:
+        return DaemonUnavailable(
+            f"{op}: the LMCache daemon at {self.endpoint} disconnected and has not accepted "
+            "us again; check that it runs (calls resume once it does)")
 
     # -- restart detection ---------------------------------------------------
 
