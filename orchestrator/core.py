@@ -225,8 +225,9 @@ class LoadBackOrchestrator:
         """STORE the finished request's whole chunks (bounded by deadlines.store_ms)."""
         if self.kv_pool is None or not self.breaker.allow() or not self.link.registered():
             return False
-        if len(token_ids) < self.connector.chunk_size:
-            return True
+        if len(token_ids) < self.connector.chunk_size or not getattr(
+                self.connector, "writer", True):
+            return True  # TP-replicated KV (MLA): one rank writes for the group
         sid = self._store_session(request_id)
         self._touch_session(sid, self.connector.epoch)
         try:
