@@ -5,6 +5,10 @@ Who calls what:
   label values, so this package never imports `orchestrator`) and calls the small methods
   below on every state change; the hot paths only do dict lookups and `inc()`/`set()`.
 - `metrics.server.start_metrics_server` serves `LoadbackMetrics.registry` on `/metrics`.
+- The SGLang hook sets its worker queue depths and times the scheduler thread's waits;
+  `orchestrator.factory` names the daemon (`daemon_info`) and `watch`es what the daemon link
+  and the transport own (owed releases, registration epoch, dropped fences), read at every
+  scrape and every heartbeat (`set_daemon_up`). `loadback status` reads all of it back.
 - Tests and the chaos harness call `snapshot()` to reconcile counters against outcomes.
 
 Label values come from closed sets given to `__init__`; every labelled child is created
@@ -20,8 +24,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
+import time
 from enum import Enum
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import multiprocess
@@ -35,6 +41,7 @@ __all__ = [
     "OUTCOME_STATES",
     "LOADED_REASON",
     "multiprocess_enabled",
+    "STORE_QUEUE_LIMIT",
 ]
 
 # Log-spaced 0.1 ms .. 60 s (20 buckets); 0.75 refines p99 around the ~0.64 s alert threshold.
@@ -49,6 +56,9 @@ TRANSFER_MODES: tuple[str, ...] = ("shm", "pickle")
 RELEASES: tuple[str, ...] = ("free_locks", "settle_lookup", "commit_retrieve", "end_session")
 OUTCOME_STATES: tuple[str, ...] = ("loaded", "degraded")
 LOADED_REASON = "none"
+#: The hook's store worker bound (`StoreWorker.max_queued`), the store queue limit gauge's
+#: value until the hook sets its own.
+STORE_QUEUE_LIMIT = 64
 
 
 class UnknownLabelError(KeyError, ValueError):
@@ -84,6 +94,20 @@ def _lookup(children: dict, key, what: str, normalize):
     raise _unknown(what, key, children)
 
 
+class _Refresher:
+    """A collector with no series of its own: reads the watched values at every scrape."""
+
+    def __init__(self, metrics: "LoadbackMetrics") -> None:
+        self._metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        self._metrics.refresh()
+        return []
+
+
 class LoadbackMetrics:
     """All `loadback_*` instruments, with every labelled child pre-created."""
 
@@ -100,6 +124,11 @@ class LoadbackMetrics:
         self.reasons = _labels(reasons, "reason")
         self.ops = _labels(ops, "op")
         self.multiprocess = multiprocess_enabled()
+        #: Wall clock of `loadback_last_degraded_timestamp_seconds` (tests pin it).
+        self.wall_clock: Callable[[], float] = time.time
+        self._watched: dict[str, Callable[[], object]] = {}
+        self._fences_seen = 0
+        self._refresh_lock = threading.Lock()
         if self.multiprocess:
             # Values live in mmap files; registering would duplicate them, so read them back.
             if registry is None:
@@ -109,6 +138,9 @@ class LoadbackMetrics:
         else:
             registry = registry if registry is not None else CollectorRegistry()
             reg = registry
+            # First in the registry: every scrape reads the watched values (`watch`) before
+            # the instruments are collected. (Multiprocess mode: the heartbeat does, below.)
+            registry.register(_Refresher(self))
         self.registry = registry
 
         # Label names are declared sorted so exposition matches Prometheus' canonical order.
@@ -122,6 +154,11 @@ class LoadbackMetrics:
                 raise _unknown("transition state", (src, dst), self.states)
             self._transition[(src, dst)] = c_trans.labels(dst=dst, src=src)
 
+        g_last = Gauge("loadback_last_degraded_timestamp_seconds",
+                       "Unix time a prefix last degraded with this reason (0: never); the "
+                       "largest is the last refusal reason (`loadback status`).", ["reason"],
+                       registry=reg, multiprocess_mode="livemax")
+        self._last_degraded = {r: g_last.labels(reason=r) for r in self.reasons}
         c_out = Counter("loadback_prefix_outcomes_total",
                         "Prefixes that reached a terminal state (loaded, or degraded with a reason).",
                         ["reason", "state"], registry=reg)
@@ -203,6 +240,49 @@ class LoadbackMetrics:
                                               "Config reloads rejected (the previous config stays).",
                                               registry=reg)
 
+        # ---- the operator's view (`loadback status`): queues, waits, debts, the daemon ----
+        def gauge(name: str, doc: str, mode: str) -> Gauge:
+            return Gauge(name, doc, registry=reg, multiprocess_mode=mode)
+
+        # The SGLang hook's worker queues (set where it submits and settles a job). Store:
+        # livemax, the bound is per rank, so the fullest rank's queue is the one to watch.
+        self.lookup_queue = gauge("loadback_lookup_queue_depth", "LOOKUPs handed to the hook's "
+                                  "worker thread and not yet settled (queued or running).",
+                                  "livesum")
+        self.store_queue = gauge("loadback_store_queue_depth", "STOREs queued or running on the "
+                                 "hook's store worker; each holds a tree lock on its slots.",
+                                 "livemax")
+        self.store_queue_limit = gauge("loadback_store_queue_limit", "The store worker's bound: a "
+                                       "store finding this many queued is skipped "
+                                       "(loadback_stores_skipped_total).", "livemin")
+        self.store_queue_limit.set(STORE_QUEUE_LIMIT)
+        self.stores_skipped = Counter("loadback_stores_skipped_total", "STOREs not queued "
+                                      "because the store queue was at its bound (the prefix is "
+                                      "not saved to the daemon).", registry=reg)
+        self.scheduler_wait = Histogram(
+            "loadback_scheduler_wait_seconds",
+            "Time the engine's scheduler thread spent in one call that may wait on the daemon "
+            "(match, re-derive or load_back of a request).",
+            buckets=DURATION_BUCKETS, registry=reg)
+        # Read from the orchestrator at every heartbeat and scrape (`watch`, `refresh`).
+        # Epoch: livemin, a rank not registered (-1) shows.
+        self.pending_debts = gauge("loadback_owed_releases", "Releases owed to the daemon and "
+                                   "not yet paid (lock frees, settles, commits, session ends).",
+                                   "livesum")
+        self.fences_dropped = Counter("loadback_fences_dropped_total", "Timed-out sockets closed "
+                                      "(over the transport's retired limit) before their fence "
+                                      "answered: whether the daemon served their call is never "
+                                      "known.", registry=reg)
+        self.registered_epoch = gauge("loadback_registered_epoch", "Connection epoch (daemon "
+                                      "incarnation as this process counts them) of the current "
+                                      "registration; -1 when not registered.", "livemin")
+        self.registered_epoch.set(-1)
+        self._daemon_info = Gauge("loadback_daemon_info",
+                                  "1 for the daemon this orchestrator talks to (endpoint) and "
+                                  "its configured transfer setting (auto, shm, pickle).",
+                                  ["endpoint", "transfer"], registry=reg,
+                                  multiprocess_mode="livemax")
+
     # ---- hot-path methods (called by the orchestrator) ----
 
     def transition(self, src: str, dst: str) -> None:
@@ -230,6 +310,8 @@ class LoadbackMetrics:
             child = _lookup(self._outcome, key, "outcome (state, reason)",
                             lambda k: (_label(k[0]), _label(k[1])))
         child.inc()
+        if _label(key[0]) != "loaded":
+            self._last_degraded[_label(key[1])].set(self.wall_clock())
         if promised_tokens:
             self.promised_tokens.inc(promised_tokens)
             if _label(key[0]) != "loaded":
@@ -278,7 +360,10 @@ class LoadbackMetrics:
             self._breaker_to[name].inc()
 
     def set_daemon_up(self, up: bool) -> None:
+        """The heartbeat's report (the daemon link calls this on every tick): also reads the
+        watched values, so multiprocess mode, which has no scrape-time read, has them."""
         self.daemon_up.set(1 if up else 0)
+        self.refresh()
 
     def set_live(self, state: str, n: int) -> None:
         try:
@@ -325,6 +410,61 @@ class LoadbackMetrics:
     def config_reload_failed(self) -> None:
         self.config_reload_failures.inc()
 
+    # ---- the operator's view (hook, factory) ----
+
+    def queue_depth(self, which: str, n: int) -> None:
+        """The hook's worker queue depth: `which` is "lookup" or "store"."""
+        if which == "lookup":
+            self.lookup_queue.set(n)
+        elif which == "store":
+            self.store_queue.set(n)
+        else:
+            raise _unknown("queue", which, ("lookup", "store"))
+
+    def store_skipped(self) -> None:
+        self.stores_skipped.inc()
+
+    def observe_scheduler_wait(self, seconds: float) -> None:
+        self.scheduler_wait.observe(seconds)
+
+    def daemon_info(self, endpoint: str, transfer: str) -> None:
+        """Set once when the orchestrator is built: the one daemon it talks to."""
+        self._daemon_info.labels(endpoint=str(endpoint), transfer=str(transfer)).set(1)
+
+    def watch(self, *, pending_debts: Callable[[], int] | None = None,
+              fences_dropped: Callable[[], int] | None = None,
+              registered_epoch: Callable[[], int | None] | None = None) -> None:
+        """Values owned elsewhere (the daemon link, the transport), read at `refresh`:
+        pending_debts -> loadback_owed_releases, fences_dropped (a monotonic count) ->
+        loadback_fences_dropped_total, registered_epoch (None: not registered) ->
+        loadback_registered_epoch."""
+        for name, fn in (("pending_debts", pending_debts), ("fences_dropped", fences_dropped),
+                         ("registered_epoch", registered_epoch)):
+            if fn is not None:
+                self._watched[name] = fn
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the watched values into their series (each scrape, each heartbeat). A value
+        that cannot be read (its owner closed) keeps its last one: a scrape never fails."""
+        if not self._watched:
+            return
+        with self._refresh_lock:
+            for name, fn in self._watched.items():
+                try:
+                    value = fn()
+                except Exception:  # noqa: BLE001 - the owner is closing: keep the last value
+                    continue
+                if name == "pending_debts":
+                    self.pending_debts.set(int(value or 0))
+                elif name == "registered_epoch":
+                    self.registered_epoch.set(-1 if value is None else int(value))
+                else:
+                    now = int(value or 0)
+                    if now > self._fences_seen:
+                        self.fences_dropped.inc(now - self._fences_seen)
+                    self._fences_seen = now
+
     # ---- reading back (tests, chaos harness) ----
 
     def snapshot(self) -> dict[str, float]:
@@ -345,3 +485,18 @@ class LoadbackMetrics:
         """Start a /metrics server for this registry (see metrics.server)."""
         from metrics.server import start_metrics_server
         return start_metrics_server(host=host, port=port, registry=self.registry)
+
+    # ---- registration refusals (the daemon link) ----
+
+    def daemon_refused(self, reason: str, refused: bool) -> None:
+        """`loadback_daemon_refused{reason}`: 1 while the daemon is refused at registration
+        for `reason` (chunk_size: its --chunk-size is not the config's), else 0. The gauge is
+        made at the first call (the daemon link's construction)."""
+        gauge = self.__dict__.get("_refused_gauge")
+        if gauge is None:
+            gauge = self._refused_gauge = Gauge(
+                "loadback_daemon_refused", "1 while the daemon is refused at registration "
+                "for this reason (every request recomputes), else 0.", ["reason"],
+                registry=None if self.multiprocess else self.registry,
+                multiprocess_mode="livemax")
+        gauge.labels(reason=reason).set(1 if refused else 0)

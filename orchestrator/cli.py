@@ -1,5 +1,5 @@
-"""The `loadback` command: demo, sglang-demo, chaos, bench, tune, config validate|show,
-configs export, diagram.
+"""The `loadback` command: demo, sglang-demo, chaos, bench, tune, status, config
+validate|show, configs export, diagram.
 
 Exit codes: `orchestrator.exit_codes` (printed by `loadback --help`). Each command's module is
 imported only when that command runs, so `--help`, `--version` and `config validate` import
@@ -26,6 +26,8 @@ DESCRIPTION = ("Fault-tolerant load-back between SGLang's prefix cache and an LM
 DISTRIBUTION = "lmcache-loadback"
 #: `sglang-demo --sides`: the backends it can run, in the order it runs them
 SGLANG_DEMO_SIDES = ("ours", "upstream")
+#: `status --url`'s default: metrics.port's default (kept equal by a test)
+DEFAULT_STATUS_URL = "http://127.0.0.1:9464/metrics"
 
 
 class _UsageParser(argparse.ArgumentParser):
@@ -289,6 +291,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model-config: tensor-parallel ranks sharing the KV heads")
     p.add_argument("--json", metavar="FILE", help="also write the raw measurements")
     p.set_defaults(fn=_run_tool("orchestrator.tools.tune"))
+
+    p = sub.add_parser(
+        "status", help="how a running deployment is: daemon, breaker, queues, owed releases",
+        description="Read a running deployment's /metrics (this product's own server, or "
+        "SGLang's with --enable-metrics, which carries ours) and print the daemon address, "
+        "registration epoch, breaker state, transfer mode, live prefixes, owed releases, "
+        "worker queue depths, dropped fences, scheduler wait and the last refusal reason. "
+        "Exits 69 if the endpoint cannot be read or serves no loadback_* series.")
+    p.add_argument("--url", default=DEFAULT_STATUS_URL, metavar="URL",
+                   help=f"the /metrics endpoint (default {DEFAULT_STATUS_URL}, metrics.port's "
+                   "default; TP rank r serves on metrics.port + r)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout-s", type=_positive_float, default=5.0, metavar="S",
+                   help="how long to wait for the endpoint (default 5)")
+    p.set_defaults(fn=_run_tool("orchestrator.status"))
     return parser
 
 

@@ -17,7 +17,8 @@ EXIT_UNREADABLE = 3
 #: `configs export` onto existing files without --force, a model config with no KV layout
 EXIT_USAGE = 64
 #: something the command needs is not there (EX_UNAVAILABLE): no CUDA device (bench gpu), the
-#: daemon unreachable (tune), no Python with sglang 0.5.23 (sglang-demo)
+#: daemon unreachable (tune), no Python with sglang 0.5.23 (sglang-demo), the /metrics
+#: endpoint unreadable or without loadback_* series (status)
 EXIT_UNAVAILABLE = 69
 
 EPILOG = f"""exit codes:
@@ -29,4 +30,4 @@ EPILOG = f"""exit codes:
   {EXIT_USAGE}  bad usage: unknown command or flag, bad value, unknown scenario, configs export
       onto existing files without --force, a model config without a KV layout (tune)
   {EXIT_UNAVAILABLE}  a needed resource is missing: no CUDA device (bench gpu), daemon unreachable
-      (tune), no Python with sglang 0.5.23 (sglang-demo)"""
+      (tune), no Python with sglang 0.5.23 (sglang-demo), /metrics unreadable (status)"""

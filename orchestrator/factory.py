@@ -36,6 +36,7 @@ def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, me
         device=_pool_device(kv_pool))
     orch = LoadBackOrchestrator(config, connector, metrics=metrics, tp_group=tp_group,
                                 kv_pool=kv_pool)
+    watch_daemon(orch, endpoint, config.transfer)
     if owned is not None:
         orch.on_close(owned.close)
     if config.metrics.enabled:
@@ -47,6 +48,20 @@ def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, me
         orch.metrics_server = server
         orch.on_close(server.close)
     return orch
+
+
+def watch_daemon(orch: LoadBackOrchestrator, endpoint: str, transfer: str) -> None:
+    """What `loadback status` reads that the orchestrator's parts own: the daemon's address
+    (`loadback_daemon_info`, set here at build time), and, read at every scrape and
+    heartbeat, the owed releases, the registration epoch (the daemon link's) and the
+    transport's dropped fences (timed-out sockets closed before their fence answered)."""
+    link, connector = orch.link, orch.connector
+    orch.metrics.daemon_info(endpoint, transfer)
+    orch.metrics.watch(
+        pending_debts=orch.pending_debts,
+        registered_epoch=lambda: link.registered_epoch,
+        fences_dropped=lambda: getattr(getattr(connector, "transport", None),
+                                       "fences_dropped", 0))
 
 
 def kv_geometry(layout: KVLayout, tp_rank: int, tp_size: int) -> tuple[int, int, int, bool]:

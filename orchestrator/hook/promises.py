@@ -8,8 +8,10 @@ and a job settles (its Event set, its store reported completed) on every path. A
 dies all the same (a BaseException past every handler) is noticed where the scheduler thread
 touches the worker (submit, poll: `ensure_alive`): a new thread takes over the queue, logged
 at ERROR the first time. Restarting, not running jobs inline: the scheduler thread must never
-wait on the daemon. Queue depths (`depth`) are what the cache exports as
-`lookup_queue_depth` / `store_queue_depth`.
+wait on the daemon. Queue depths (`depth`) are what the cache exposes as
+`lookup_queue_depth` / `store_queue_depth`, and what each worker sets in the orchestrator's
+metrics (`loadback_lookup_queue_depth`, `loadback_store_queue_depth`) whenever a job is
+queued or settled.
 """
 
 from __future__ import annotations
@@ -54,9 +56,12 @@ class _Worker:
     """One daemon thread serving a queue; `_serve` settles every job it is given."""
 
     name = "loadback-worker"
+    queue = "lookup"  # which depth series it sets (LoadbackMetrics.queue_depth)
 
     def __init__(self, orch) -> None:
         self.orch = orch
+        #: The orchestrator's LoadbackMetrics (None for an orchestrator without metrics).
+        self.metrics = getattr(orch, "metrics", None)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
@@ -88,11 +93,18 @@ class _Worker:
         self.ensure_alive()
         with self._lock:
             self.depth += 1
+            self._export_depth()
         self._q.put(job)
 
     def _settled(self) -> None:
         with self._lock:
             self.depth -= 1
+            self._export_depth()
+
+    def _export_depth(self) -> None:
+        """Under _lock: the gauge moves in the order `depth` does."""
+        if self.metrics is not None:
+            self.metrics.queue_depth(self.queue, self.depth)
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._closed = True
@@ -193,6 +205,7 @@ class StoreWorker(_Worker):
     unbounded queue behind a slow daemon would leave nothing in the KV pool to evict."""
 
     name = "loadback-store"
+    queue = "store"
 
     def __init__(self, orch, *, max_queued: int = 64) -> None:
         if max_queued < 1:
@@ -201,6 +214,8 @@ class StoreWorker(_Worker):
         self.max_queued = max_queued
         self.skipped = 0     # stores not queued: max_queued were waiting or running
         super().__init__(orch)
+        if self.metrics is not None:
+            self.metrics.store_queue_limit.set(max_queued)
 
     def has_room(self, request_id: str) -> bool:
         """Scheduler thread, before it locks the store's node: False (counted, logged at
@@ -208,6 +223,8 @@ class StoreWorker(_Worker):
         if self.depth < self.max_queued:
             return True
         self.skipped += 1
+        if self.metrics is not None:
+            self.metrics.store_skipped()
         log.debug("store %s skipped: %d stores already queued", request_id, self.depth)
         return False
 

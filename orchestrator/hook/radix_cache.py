@@ -46,7 +46,11 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
     """RadixCache + fault-tolerant load-back from an LMCache daemon."""
 
     def __init__(self, params, *, config, tp_size: int = 1, tp_rank: int = 0,
-                 tp_group=None, orchestrator=None, async_lookups: bool | None = None) -> None:
+                 tp_group=None, orchestrator=None, async_lookups: bool | None = None,
+                 config_path=None) -> None:
+        """`config_path`: the YAML `config` came from; watched on the orchestrator's
+        heartbeat, and a valid change applied live to the orchestrator and to `self.config`
+        (orchestrator.reload.ConfigWatcher)."""
         self._tp_size = tp_size
         self._promises: dict[Any, Promise] = {}
         self._lookups: dict[Any, Lookup] = {}
@@ -68,6 +72,13 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
         if orchestrator is None:
             orchestrator = self._build_orchestrator(config, tp_size, tp_rank, tp_group)
         self.orch = orchestrator
+        self.config_watcher = None
+        if config_path is not None:
+            from orchestrator.reload import ConfigWatcher
+
+            self.config_watcher = ConfigWatcher(self.orch, config_path,
+                                                on_apply=self._config_reloaded)
+            self.orch.on_tick(self.config_watcher.check)
         # With TP > 1 every rank's collectives must come from one thread in one order, so the
         # LOOKUP runs on the scheduler thread (bounded by deadlines.lookup_ms).
         if async_lookups is None:
@@ -101,7 +112,12 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
         group = ctx.tp_group
         group = getattr(group, "cpu_group", group) if ctx.tp_size > 1 else None
         return cls(ctx.params, config=config, tp_size=ctx.tp_size, tp_rank=ctx.tp_rank,
-                   tp_group=group)
+                   tp_group=group, config_path=path)
+
+    def _config_reloaded(self, config) -> None:
+        """The watcher applied a changed file to the orchestrator: the backend's own copy
+        follows (its store deadline, ...). Runs on the heartbeat thread."""
+        self.config = config
 
     def _build_orchestrator(self, config, tp_size, tp_rank, tp_group):
         from orchestrator.factory import create_orchestrator
@@ -209,11 +225,17 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
         return f"{extra_key or ''}\x1f{cache_salt or ''}"
 
     def _timed(self, fn, *args, **kwargs):
+        """Run a call that may wait on the daemon, timing the scheduler thread's wait
+        (`daemon_wait_s`, and `loadback_scheduler_wait_seconds` in the metrics)."""
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            self.daemon_wait_s.append(time.perf_counter() - start)
+            waited = time.perf_counter() - start
+            self.daemon_wait_s.append(waited)
+            metrics = getattr(self.orch, "metrics", None)
+            if metrics is not None:
+                metrics.observe_scheduler_wait(waited)
 
     def _path_len(self, node) -> int:
         n = 0

@@ -21,7 +21,8 @@ from tests.prometheus_server import PrometheusServer, PrometheusUnavailable, fin
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 RULES = {"LoadbackDaemonDown", "LoadbackBreakerOpen", "LoadbackDegradeRatioHigh",
-         "LoadbackRetrieveP99NearDeadline"}
+         "LoadbackRetrieveP99NearDeadline", "LoadbackStoreQueueFull",
+         "LoadbackSchedulerWaitHigh", "LoadbackFencesDropped"}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,9 @@ def test_prometheus_scrapes_loadback_metrics(tools):
     m.set_daemon_up(True)
     m.breaker("open")
     m.set_live("marked", 4)
+    m.queue_depth("store", 3)
+    m.observe_scheduler_wait(0.02)
+    m.watch(pending_debts=lambda: 2, fences_dropped=lambda: 1, registered_epoch=lambda: 1)
 
     srv = start_metrics_server(host="127.0.0.1", port=0, registry=m)
     try:
@@ -90,6 +94,11 @@ def test_prometheus_scrapes_loadback_metrics(tools):
                 "loadback_breaker_state": 2,
                 'loadback_live_prefixes{state="marked"}': 4,
                 "loadback_retrieve_duration_seconds_count": 3,
+                "loadback_store_queue_depth": 3,
+                "loadback_scheduler_wait_seconds_count": 1,
+                "loadback_owed_releases": 2,
+                "loadback_fences_dropped_total": 1,
+                "loadback_registered_epoch": 1,
             }
             want = {q: [float(v)] for q, v in expected.items()}
             try:

@@ -286,3 +286,37 @@ def test_lookup_answered_after_its_deadline_stays_a_miss():
         assert worker.resolve(job, now=job.deadline + 1) == 0  # still a miss, never 64
     finally:
         worker.close()
+
+
+@pytest.mark.daemon
+def test_hook_exports_scheduler_wait_and_worker_queue_depths(live_daemon, make_cache):
+    """The scheduler thread's waits on the daemon land in loadback_scheduler_wait_seconds
+    (one observation per timed call), and both worker queues set their depth gauges when a
+    job is queued and when it settles, back to 0 when idle."""
+    cache = make_cache(16, make_config(live_daemon.port))
+    ready(cache)
+    m = cache.orch.metrics
+    depths = []
+    real = m.queue_depth
+    m.queue_depth = lambda which, n: (depths.append((which, n)), real(which, n))[1]
+    s = Sched(cache)
+    ids = fresh_ids(4 * CHUNK)
+    store(s, ids)
+    wait_for(lambda: cache.store_queue_depth == 0, 10, "the store went through")
+    r = s.new_req("q", ids + [1])
+    got = s.admit(r)
+    assert got["loaded"] == 4 * CHUNK
+    s.finish(r)
+    s.flush()
+    wait_for(lambda: cache.store_queue_depth == cache.lookup_queue_depth == 0, 10, "idle")
+    snap = m.snapshot()
+    waits = list(cache.daemon_wait_s)
+    assert waits, "load_back ran on the scheduler thread and was timed"
+    assert snap["loadback_scheduler_wait_seconds_count"] == len(waits)
+    assert snap["loadback_scheduler_wait_seconds_sum"] == pytest.approx(sum(waits))
+    assert ("store", 1) in depths
+    assert [d for d in depths if d[0] == "store"][-1] == ("store", 0)
+    if cache._worker is not None:  # 0.5.23: the LOOKUP went through the worker
+        assert ("lookup", 1) in depths and [d for d in depths if d[0] == "lookup"][-1] == ("lookup", 0)
+    assert snap["loadback_store_queue_depth"] == snap["loadback_lookup_queue_depth"] == 0
+    assert snap["loadback_store_queue_limit"] == cache._store_worker.max_queued

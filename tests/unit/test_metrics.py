@@ -29,8 +29,14 @@ LABELS = label_sets()
 STATES, REASONS, OPS, TRANSITIONS = (LABELS[k] for k in ("states", "reasons", "ops", "transitions"))
 
 
+#: The wall clock `make()` pins (loadback_last_degraded_timestamp_seconds reads it).
+NOW = 1_700_000_000.0
+
+
 def make(**kw) -> LoadbackMetrics:
-    return LoadbackMetrics(**{**LABELS, **kw})
+    m = LoadbackMetrics(**{**LABELS, **kw})
+    m.wall_clock = lambda: NOW
+    return m
 
 
 def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -64,13 +70,20 @@ def test_fresh_instance_exposes_every_child_at_zero():
         assert f'loadback_breaker_transitions_total{{to="{to}"}} 0.0' in text
     for s in STATES:
         assert f'loadback_live_prefixes{{state="{s}"}} 0.0' in text
+    for r in REASONS:
+        assert f'loadback_last_degraded_timestamp_seconds{{reason="{r}"}} 0.0' in text
     snap = m.snapshot()
-    assert all(v == 0 for v in snap.values()), {k: v for k, v in snap.items() if v}
+    # Two start non-zero: the store queue's bound, and "not registered yet" (-1).
+    starts = {"loadback_store_queue_limit": 64.0, "loadback_registered_epoch": -1.0}
+    assert {k: v for k, v in snap.items() if v} == starts
     for name in ("loadback_loaded_tokens_total", "loadback_loaded_bytes_total", "loadback_promised_tokens_total",
                  "loadback_breaker_state", "loadback_daemon_up",
                  "loadback_reregistrations_total", "loadback_late_replies_total", "loadback_config_generation",
                  "loadback_config_reload_failures_total", "loadback_lookup_duration_seconds_count",
-                 "loadback_retrieve_duration_seconds_count"):
+                 "loadback_retrieve_duration_seconds_count", "loadback_lookup_queue_depth",
+                 "loadback_store_queue_depth", "loadback_stores_skipped_total",
+                 "loadback_scheduler_wait_seconds_count", "loadback_owed_releases",
+                 "loadback_fences_dropped_total"):
         assert name in snap
     # Outcomes: one loaded child and one per degrade reason, nothing else.
     assert sum(k.startswith("loadback_prefix_outcomes_total{") for k in snap) == 1 + len(REASONS)
@@ -148,9 +161,11 @@ CASES = [
       "loadback_loaded_tokens_total": 16, "loadback_loaded_bytes_total": 64}),
     ("outcome degraded after promise", lambda m: m.outcome("degraded", "retrieve_timeout", 64),
      {"loadback_prefix_outcomes_total{reason=retrieve_timeout,state=degraded}": 1,
-      "loadback_promised_tokens_total": 64, "loadback_recomputed_tokens_total{reason=retrieve_timeout}": 64}),
+      "loadback_promised_tokens_total": 64, "loadback_recomputed_tokens_total{reason=retrieve_timeout}": 64,
+      "loadback_last_degraded_timestamp_seconds{reason=retrieve_timeout}": NOW}),
     ("outcome degraded before promise", lambda m: m.outcome("degraded", "breaker_open"),
-     {"loadback_prefix_outcomes_total{reason=breaker_open,state=degraded}": 1}),
+     {"loadback_prefix_outcomes_total{reason=breaker_open,state=degraded}": 1,
+      "loadback_last_degraded_timestamp_seconds{reason=breaker_open}": NOW}),
     ("lookup hit", lambda m: m.observe_lookup(0.003, "hit"), _lookup_delta(0.003, "hit")),
     ("lookup skipped is not timed", lambda m: m.observe_lookup(0.0, "skipped"),
      {"loadback_lookups_total{result=skipped}": 1}),
@@ -171,6 +186,18 @@ CASES = [
     ("late reply default", lambda m: m.late_reply(), {"loadback_late_replies_total": 1}),
     ("config generation", lambda m: m.config_generation(4), {"loadback_config_generation": 4}),
     ("config reload failed", lambda m: m.config_reload_failed(), {"loadback_config_reload_failures_total": 1}),
+    ("lookup queue depth", lambda m: m.queue_depth("lookup", 3), {"loadback_lookup_queue_depth": 3}),
+    ("store queue depth", lambda m: m.queue_depth("store", 5), {"loadback_store_queue_depth": 5}),
+    ("store skipped", lambda m: m.store_skipped(), {"loadback_stores_skipped_total": 1}),
+    ("scheduler wait", lambda m: m.observe_scheduler_wait(0.03),
+     {"loadback_scheduler_wait_seconds_count": 1, "loadback_scheduler_wait_seconds_sum": 0.03,
+      **{f"loadback_scheduler_wait_seconds_bucket{{le={float(b)}}}": 1 for b in DURATION_BUCKETS if b >= 0.03},
+      "loadback_scheduler_wait_seconds_bucket{le=+Inf}": 1}),
+    ("daemon info", lambda m: m.daemon_info("tcp://127.0.0.1:5555", "auto"), None),
+    ("watch", lambda m: m.watch(pending_debts=lambda: 4, fences_dropped=lambda: 2,
+                                registered_epoch=lambda: 3),
+     {"loadback_owed_releases": 4, "loadback_fences_dropped_total": 2,
+      "loadback_registered_epoch": 4}),  # -1 -> 3
 ]
 
 
@@ -179,7 +206,41 @@ def test_method_moves_exactly_intended_series(call, expected):
     m = make()
     before = m.snapshot()
     call(m)
-    assert diff(before, m.snapshot()) == pytest.approx(expected)
+    after = m.snapshot()
+    if expected is None:  # an info series: one new child at 1, nothing else moves
+        new = {k: v for k, v in after.items() if k not in before}
+        assert new == {"loadback_daemon_info{endpoint=tcp://127.0.0.1:5555,transfer=auto}": 1}
+        after = {k: v for k, v in after.items() if k in before}
+        expected = {}
+    assert diff(before, after) == pytest.approx(expected)
+
+
+def test_watched_values_are_read_at_every_scrape_and_heartbeat():
+    """Owed releases, registration epoch and dropped fences belong to the daemon link and
+    the transport: read when /metrics is scraped and when the heartbeat reports
+    (set_daemon_up), the fence count only ever added to (a counter)."""
+    m = make()
+    state = {"debts": 2, "fences": 1, "epoch": None}
+    m.watch(pending_debts=lambda: state["debts"], fences_dropped=lambda: state["fences"],
+            registered_epoch=lambda: state["epoch"])
+    assert "loadback_owed_releases 2.0" in exposition(m)
+    state.update(debts=0, fences=5, epoch=7)
+    text = exposition(m)  # a scrape reads them
+    assert "loadback_owed_releases 0.0" in text and "loadback_registered_epoch 7.0" in text
+    assert "loadback_fences_dropped_total 5.0" in text
+    state.update(fences=6, epoch=None)
+    m.set_daemon_up(True)  # a heartbeat reads them too
+    snap = m.snapshot()
+    assert snap["loadback_fences_dropped_total"] == 6 and snap["loadback_registered_epoch"] == -1
+    def closed():  # an owner that cannot answer keeps the last value, never raises
+        raise RuntimeError("closed")
+    m.watch(pending_debts=closed)
+    assert m.snapshot()["loadback_owed_releases"] == 0
+
+
+def test_unknown_queue_raises():
+    with pytest.raises(UnknownLabelError):
+        make().queue_depth("prefetch", 1)
 
 
 def test_breaker_sequence_counts_each_change_once():
@@ -333,6 +394,12 @@ MP_WORKER = textwrap.dedent("""
     m.set_live("marked", 2)
     m.set_daemon_up(role == "rank0")
     m.breaker("open" if role == "rank0" else "closed")
+    m.queue_depth("lookup", 1)
+    m.queue_depth("store", 7 if role == "rank0" else 2)
+    m.observe_scheduler_wait(0.01)
+    m.watch(pending_debts=lambda: 3, fences_dropped=lambda: 1,
+            registered_epoch=lambda: 1 if role == "rank0" else None)
+    m.daemon_info("tcp://127.0.0.1:5555", "auto")
     if role == "reader":
         with start_metrics_server(port=0) as srv:  # registry=None: MultiProcessCollector
             body = urllib.request.urlopen(srv.url, timeout=5).read().decode()
@@ -362,6 +429,13 @@ def test_multiprocess_mode_aggregates_through_multiprocesscollector(tmp_path):
     assert snap["loadback_daemon_up"] == 0                     # livemin: one rank is cut off
     assert snap["loadback_breaker_state"] == 2                 # livemax: the worst breaker shows
     assert snap["loadback_prefix_transitions_total{dst=loaded,src=retrieving}"] == 0  # pre-created
+    assert snap["loadback_lookup_queue_depth"] == 2                # livesum
+    assert snap["loadback_store_queue_depth"] == 7                 # livemax: the fullest rank
+    assert snap["loadback_owed_releases"] == 6                     # livesum
+    assert snap["loadback_registered_epoch"] == -1                 # livemin: one not registered
+    assert snap["loadback_fences_dropped_total"] == 2
+    assert snap["loadback_scheduler_wait_seconds_count"] == 2
+    assert snap["loadback_daemon_info{endpoint=tcp://127.0.0.1:5555,transfer=auto}"] == 1
     assert 'loadback_prefix_outcomes_total{reason="none",state="loaded"} 2.0' in body
     assert "loadback_daemon_up 0.0" in body and 'pid="' not in body
 
@@ -407,7 +481,8 @@ def test_alerts_reference_only_exposed_metrics():
     assert group["name"] == "loadback"
     rules = {r["alert"]: r for r in group["rules"]}
     assert set(rules) == {"LoadbackDaemonDown", "LoadbackBreakerOpen", "LoadbackDegradeRatioHigh",
-                          "LoadbackRetrieveP99NearDeadline"}
+                          "LoadbackRetrieveP99NearDeadline", "LoadbackStoreQueueFull",
+                          "LoadbackSchedulerWaitHigh", "LoadbackFencesDropped"}
     exposed = exposed_names()
     for name, r in rules.items():
         assert r["labels"]["severity"] in ("critical", "warning", "info"), name
@@ -434,7 +509,8 @@ def test_grafana_dashboard_parses_and_queries_only_exposed_metrics():
         assert used and used <= exposed, (expr, used - exposed)
     for want in ("loaded vs recomputed", "outcomes by reason", "lookup latency", "retrieve latency",
                  "breaker state", "daemon up", "live prefixes", "late replies",
-                 "re-registrations"):
+                 "re-registrations", "worker queue depths", "scheduler wait", "owed releases",
+                 "fences dropped"):
         assert any(want in t for t in titles), want
     all_exprs = " ".join(exprs)
     assert "histogram_quantile(0.5" in all_exprs and "histogram_quantile(0.99" in all_exprs

@@ -1,0 +1,212 @@
+"""`loadback status`: how a running deployment is, read from its /metrics.
+
+Who calls it: the `loadback status` command (`run`); tests call `parse`, `summarize` and
+`render` directly. The endpoint is this product's own /metrics server (`metrics.enabled` in
+the YAML; TP rank r serves on `metrics.port + r`) or SGLang's (`--enable-metrics`, which
+carries every rank's `loadback_*` series through its multiprocess collector). Only the
+standard library and prometheus_client's text parser are imported: no torch, no SGLang.
+
+Every field comes from one series (README, "Metrics"); a series the endpoint lacks (an older
+deployment) prints as "n/a" rather than failing. Exit 0 once the endpoint was read, 69
+(EX_UNAVAILABLE) when it could not be, or when it serves no `loadback_*` series at all.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from .exit_codes import EXIT_OK, EXIT_UNAVAILABLE
+
+#: metrics.port's default (the YAML's `metrics:` section); TP rank r serves on port + r.
+DEFAULT_URL = "http://127.0.0.1:9464/metrics"  # = cli.DEFAULT_STATUS_URL
+#: loadback_breaker_state's values (metrics.instruments.BREAKER_STATES, inverted).
+BREAKER_NAMES = {0: "closed", 1: "half_open", 2: "open"}
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+class StatusUnavailable(Exception):
+    """The endpoint could not be read, or it serves no loadback_* series."""
+
+
+def fix_hint(url: str, why: str) -> str:
+    """The one-line error: the URL, why, and the fix."""
+    return (f"cannot read loadback metrics at {url}: {why}; start the engine with "
+            "`metrics: {enabled: true}` in its loadback YAML (or SGLang's --enable-metrics) "
+            "and pass --url http://HOST:PORT/metrics (TP rank r serves on metrics.port + r)")
+
+
+def fetch(url: str, timeout_s: float = 5.0) -> str:
+    """The exposition text at `url`; StatusUnavailable (one line, naming the URL and the
+    fix) when it cannot be read."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as exc:
+        raise StatusUnavailable(fix_hint(url, f"HTTP {exc.code} {exc.reason}")) from None
+    except urllib.error.URLError as exc:
+        raise StatusUnavailable(fix_hint(url, str(exc.reason))) from None
+    except (OSError, ValueError) as exc:  # timeouts, resets, a malformed URL
+        raise StatusUnavailable(fix_hint(url, str(exc) or type(exc).__name__)) from None
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise StatusUnavailable(fix_hint(url, "the reply is not Prometheus text")) from None
+
+
+def parse(text: str) -> Samples:
+    """{sample name: [(labels, value), ...]} of every loadback_* sample in `text` (the
+    Prometheus text format; OpenMetrics' `# EOF` tolerated)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Samples = {}
+    try:
+        for family in text_string_to_metric_families(text.replace("\n# EOF", "\n")):
+            for s in family.samples:
+                if s.name.startswith("loadback_"):
+                    out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    except ValueError as exc:
+        raise StatusUnavailable(f"not Prometheus text ({exc})") from None
+    return out
+
+
+def _one(samples: Samples, name: str, **labels: str) -> float | None:
+    """The value of `name{labels}` (summed over any other labels), None when absent."""
+    rows = [v for lab, v in samples.get(name, ()) if all(lab.get(k) == w for k, w in labels.items())]
+    return sum(rows) if rows else None
+
+
+def _int(x: float | None) -> int | None:
+    return None if x is None else int(x)
+
+
+def summarize(samples: Samples, *, url: str, now: float | None = None) -> dict[str, Any]:
+    """The status fields from parsed samples; None where the series is absent."""
+    now = time.time() if now is None else now
+    info = [(lab, v) for lab, v in samples.get("loadback_daemon_info", ()) if v > 0]
+    up = _one(samples, "loadback_daemon_up")
+    epoch = _one(samples, "loadback_registered_epoch")
+    breaker = _one(samples, "loadback_breaker_state")
+    modes = [lab.get("mode") for lab, v in samples.get("loadback_transfer_mode", ()) if v > 0]
+    live = {lab.get("state", ""): int(v) for lab, v in samples.get("loadback_live_prefixes", ())}
+    last = [(v, lab.get("reason", "")) for lab, v in
+            samples.get("loadback_last_degraded_timestamp_seconds", ()) if v > 0]
+    degraded = {lab.get("reason", ""): int(v) for lab, v in
+                samples.get("loadback_prefix_outcomes_total", ()) if lab.get("state") == "degraded"}
+    waits = _one(samples, "loadback_scheduler_wait_seconds_count")
+    wait_sum = _one(samples, "loadback_scheduler_wait_seconds_sum")
+    if last:
+        at, reason = max(last)
+        refusal = {"reason": reason, "at": at, "ago_s": round(max(0.0, now - at), 3),
+                   "count": degraded.get(reason)}
+    else:
+        refusal = None
+    return {
+        "url": url,
+        "daemon": {
+            "endpoint": ", ".join(sorted({lab.get("endpoint", "?") for lab, _ in info})) or None,
+            "transfer_setting": ", ".join(sorted({lab.get("transfer", "?") for lab, _ in info}))
+            or None,
+            "up": None if up is None else up > 0,
+        },
+        # -1: not registered now; None: the deployment does not export it
+        "registration_epoch": _int(epoch),
+        "breaker": None if breaker is None else BREAKER_NAMES.get(int(breaker), str(breaker)),
+        "transfer_mode": ", ".join(sorted(m for m in modes if m)) or None,
+        "live_prefixes": {"total": sum(live.values()), "by_state": live} if live else None,
+        "owed_releases": _int(_one(samples, "loadback_owed_releases")),
+        "queues": {
+            "lookup": _int(_one(samples, "loadback_lookup_queue_depth")),
+            "store": _int(_one(samples, "loadback_store_queue_depth")),
+            "store_limit": _int(_one(samples, "loadback_store_queue_limit")),
+            "stores_skipped": _int(_one(samples, "loadback_stores_skipped_total")),
+        },
+        "fences_dropped": _int(_one(samples, "loadback_fences_dropped_total")),
+        "scheduler_wait": None if not waits else {
+            "calls": int(waits), "mean_ms": round((wait_sum or 0.0) / waits * 1000, 3)},
+        "last_refusal": refusal,
+        "degraded_total": sum(degraded.values()) if degraded else None,
+    }
+
+
+def _na(x: object) -> str:
+    return "n/a" if x is None else str(x)
+
+
+def render(st: dict[str, Any]) -> str:
+    """The human table."""
+    d = st["daemon"]
+    daemon = _na(d["endpoint"])
+    extra = []
+    if d["up"] is not None:
+        extra.append("up" if d["up"] else "DOWN")
+    if d["transfer_setting"]:
+        extra.append(f"transfer setting {d['transfer_setting']}")
+    if extra:
+        daemon += f" ({'; '.join(extra)})"
+    epoch = st["registration_epoch"]
+    reg = "n/a" if epoch is None else "not registered" if epoch < 0 else f"epoch {epoch}"
+    live = st["live_prefixes"]
+    live_s = "n/a" if live is None else str(live["total"]) + (
+        " (" + ", ".join(f"{k} {v}" for k, v in live["by_state"].items() if v) + ")"
+        if live["total"] else "")
+    q = st["queues"]
+    store = _na(q["store"])
+    if q["store_limit"] is not None:
+        store += f" of {q['store_limit']}"
+    if q["stores_skipped"]:
+        store += f" ({q['stores_skipped']} skipped at the bound)"
+    w = st["scheduler_wait"]
+    wait = "n/a (no call timed yet)" if w is None else f"{w['calls']} calls, mean {w['mean_ms']:.1f} ms"
+    r = st["last_refusal"]
+    if r is not None:
+        refusal = f"{r['reason']} ({r['ago_s']:.0f} s ago; {_na(r['count'])} so far)"
+    elif st["degraded_total"] == 0:
+        refusal = "none"
+    else:
+        refusal = "n/a"
+    rows = [
+        ("daemon", daemon),
+        ("registration", reg),
+        ("breaker", _na(st["breaker"])),
+        ("transfer mode", st["transfer_mode"] or (
+            "not chosen yet (chosen at registration)" if epoch == -1 else "n/a")),
+        ("live prefixes", live_s),
+        ("owed releases", _na(st["owed_releases"])),
+        ("lookup queue", _na(q["lookup"])),
+        ("store queue", store),
+        ("fences dropped", _na(st["fences_dropped"])),
+        ("scheduler wait", wait),
+        ("last refusal", refusal),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([f"loadback status of {st['url']}"]
+                     + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    try:
+        samples = parse(fetch(url, timeout_s))
+    except StatusUnavailable as exc:
+        if str(exc).startswith("cannot read"):
+            raise
+        raise StatusUnavailable(fix_hint(url, str(exc))) from None
+    if not samples:
+        raise StatusUnavailable(fix_hint(url,
+            "it serves no loadback_* series (is --radix-cache-backend loadback on?)"))
+    return summarize(samples, url=url)
+
+
+def run(args) -> int:
+    try:
+        st = status(args.url, args.timeout_s)
+    except StatusUnavailable as exc:
+        print(f"loadback status: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    print(json.dumps(st, indent=2, sort_keys=True) if args.json else render(st))
+    return EXIT_OK
