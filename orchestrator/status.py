@@ -113,6 +113,9 @@ def summarize(samples: Samples, *, url: str, now: float | None = None) -> dict[s
             "transfer_setting": ", ".join(sorted({lab.get("transfer", "?") for lab, _ in info}))
             or None,
             "up": None if up is None else up > 0,
+            # loadback_daemon_refused{reason} at 1: registration refused (a mismatch)
+            "refused": sorted(lab.get("reason", "") for lab, v in
+                              samples.get("loadback_daemon_refused", ()) if v > 0),
         },
         # -1: not registered now; None: the deployment does not export it
         "registration_epoch": _int(epoch),
@@ -145,6 +148,8 @@ def render(st: dict[str, Any]) -> str:
     extra = []
     if d["up"] is not None:
         extra.append("up" if d["up"] else "DOWN")
+    if d["refused"]:
+        extra.append(f"REFUSED at registration: {', '.join(d['refused'])}")
     if d["transfer_setting"]:
         extra.append(f"transfer setting {d['transfer_setting']}")
     if extra:

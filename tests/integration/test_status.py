@@ -84,7 +84,7 @@ def test_status_of_a_running_orchestrator(live_daemon, capsys):
         assert r.returncode == 0, r.stderr
         st = json.loads(r.stdout)
         assert st["daemon"] == {"endpoint": live_daemon.endpoint, "transfer_setting": "auto",
-                                "up": True}
+                                "up": True, "refused": []}
         assert st["registration_epoch"] == orch.link.registered_epoch >= 0
         assert st["breaker"] == "closed" and st["transfer_mode"] == mode
         assert st["owed_releases"] == 0 and st["fences_dropped"] == 0

@@ -49,7 +49,7 @@ def test_summarize_reads_every_field():
     m = busy_metrics(now)
     st = status.summarize(status.parse(generate_latest(m.registry).decode()), url="u", now=now)
     assert st["daemon"] == {"endpoint": "tcp://10.0.0.7:5555", "transfer_setting": "auto",
-                            "up": True}
+                            "up": True, "refused": []}
     assert st["registration_epoch"] == 4
     assert st["breaker"] == "half_open"
     assert st["transfer_mode"] == "shm"
@@ -158,3 +158,11 @@ def test_status_imports_neither_torch_nor_sglang(served):
             srv.close()
     assert r.returncode == (0 if served else 69), r.stderr[-2000:]
     assert "HEAVY []" in r.stderr
+
+
+def test_a_daemon_refused_at_registration_shows_on_the_daemon_line():
+    m = busy_metrics()
+    m.daemon_refused("chunk_size", True)
+    st = status.summarize(status.parse(generate_latest(m.registry).decode()), url="u")
+    assert st["daemon"]["refused"] == ["chunk_size"]
+    assert "(up; REFUSED at registration: chunk_size; transfer setting auto)" in status.render(st)
