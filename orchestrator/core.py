@@ -17,6 +17,7 @@ Tensor parallel: every rank makes the same sequence of collectives on every path
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from typing import Callable, Sequence
@@ -36,6 +37,8 @@ from .policies import BreakEvenGuard, CircuitBreaker, Clock, monotonic
 from .results import LoadResult, MatchResult
 from .states import DegradeReason, PrefixState, fire
 from .tp import TPAgreement
+
+log = logging.getLogger("loadback")
 
 R = DegradeReason
 S = PrefixState
@@ -91,7 +94,8 @@ class LoadBackOrchestrator:
         self.metrics = metrics or product_metrics()
         self.tp = TPAgreement(tp_group)
         self._store_suffix = "" if self.tp.leader else f"@rank{self.tp.rank}"
-        self.breaker = CircuitBreaker(config.breaker, clock=clock, on_change=self.metrics.breaker)
+        self.breaker = CircuitBreaker(config.breaker, clock=clock,
+                                      on_change=self._breaker_changed)
         self.break_even = BreakEvenGuard(config.break_even, connector.layout.bytes_per_token)
         self._live: dict[str, Prefix] = {}
         self._sessions: dict[str, int] = {}  # request -> daemon epoch its last call went to
@@ -329,6 +333,17 @@ class LoadBackOrchestrator:
     def wait_registered(self, timeout_s: float) -> bool:
         return self.link.wait_registered(timeout_s)
 
+    def on_tick(self, fn: Callable[[], None]) -> None:
+        """Run `fn` at the end of every heartbeat, on the heartbeat thread (the SGLang
+        backend watches its config file there)."""
+        self.link.on_tick(fn)
+
+    def _breaker_changed(self, state: str) -> None:
+        self.metrics.breaker(state)
+        link = getattr(self, "link", None)  # the breaker is built before the link
+        if link is not None:
+            link.breaker_changed(state)
+
     # --------------------------------------------------------------- plumbing
 
     def _enter(self, p: Prefix) -> None:
@@ -350,6 +365,8 @@ class LoadBackOrchestrator:
         if held:
             self.calls.free(p, *held)
         p.reason = reason
+        log.debug("%s: degraded (%s), %d promised tokens recomputed", p.request_id,
+                  reason.value, p.promised_tokens)
         self._fire(p, "degrade")
         self._settle(p)
 

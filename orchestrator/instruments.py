@@ -14,11 +14,13 @@ from metrics import LoadbackMetrics
 
 from .states import DegradeReason, PrefixState, transition_pairs
 
-__all__ = ["OPS", "label_sets", "product_metrics"]
+__all__ = ["OPS", "REFUSALS", "label_sets", "product_metrics"]
 
 #: Daemon operations that are timed out and retried (the `op` label of retries/timeouts).
 OPS: tuple[str, ...] = ("lookup", "retrieve", "store", "free_locks", "end_session", "ping",
                         "register")
+#: Why a daemon is refused at registration (`loadback_daemon_refused{reason}`).
+REFUSALS: tuple[str, ...] = ("chunk_size",)
 
 
 def label_sets() -> dict:
@@ -33,4 +35,7 @@ def label_sets() -> dict:
 
 def product_metrics(registry: CollectorRegistry | None = None) -> LoadbackMetrics:
     """A `LoadbackMetrics` with exactly the label sets the orchestrator uses."""
-    return LoadbackMetrics(registry=registry, **label_sets())
+    m = LoadbackMetrics(registry=registry, **label_sets())
+    for reason in REFUSALS:
+        m.daemon_refused(reason, False)
+    return m

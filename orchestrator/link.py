@@ -16,6 +16,20 @@ A debt whose `run` or `ready` raises something no daemon failure explains (a CUD
 `Event.query()`, a bug) never costs the other debts: it is warned about once, asked again
 while a repeat is safe, and given up after `max_tries`, counted in
 `loadback_releases_failed_total{what}` (the daemon keeps what it held until its TTL).
+
+What an operator reads (`StateLog`): one WARNING per change of the relationship with the
+daemon (down, breaker open / half-open / closed, re-registered with a new incarnation,
+transfer mode chosen), one ERROR when a daemon is refused at registration (its chunk size is
+not the config's), each kind at most once per `STATE_LOG_INTERVAL_S` with the count of the
+changes suppressed meanwhile in its next line. Request-scoped detail stays at DEBUG, each line
+naming its request id.
+
+A refused daemon is never registered: `registered()` answers False without waking the
+heartbeat (match answers 0 at once, without touching the socket), and the check is made again
+at the next registration attempt, i.e. with the next daemon incarnation (a daemon cannot change
+its chunk size without a restart), so a daemon restarted with the right size is accepted
+without an engine restart. Callbacks given to `on_tick` run at the end of every heartbeat
+(the SGLang backend watches its config file there).
 """
 
 from __future__ import annotations
@@ -42,6 +56,46 @@ log = logging.getLogger("loadback")
 #: milliseconds after the copy, not a heartbeat later. Nothing waiting: no polling at all.
 READY_POLL_MIN_S = 0.001
 READY_POLL_MAX_S = 0.016
+
+#: One WARNING per kind of state change at most this often; the changes in between are
+#: counted and the count is given in the kind's next line.
+STATE_LOG_INTERVAL_S = 10.0
+
+
+class StateLog:
+    """Rate-limited lines about the daemon relationship: `change(kind, msg, *args)` logs at
+    `level` unless a line of that kind went out less than `interval_s` ago; a suppressed
+    change is logged at DEBUG and counted into the next line of its kind."""
+
+    def __init__(self, logger: logging.Logger, *, interval_s: float = STATE_LOG_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.log = logger
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def change(self, kind: str, msg: str, *args, level: int = logging.WARNING) -> bool:
+        """Log one change of `kind`; False when it was suppressed (rate limit)."""
+        now = self.clock()
+        with self._lock:
+            last = self._last.get(kind)
+            if last is not None and now - last < self.interval_s:
+                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+                suppressed = None
+            else:
+                self._last[kind] = now
+                suppressed = self._suppressed.pop(kind, 0)
+        if suppressed is None:
+            self.log.debug("(suppressed, %s) " + msg, kind, *args)
+            return False
+        if suppressed:
+            msg += " (%d earlier %s change%s not logged: at most one line per %g s)"
+            args = (*args, suppressed, kind, "" if suppressed == 1 else "s", self.interval_s)
+        self.log.log(level, msg, *args)
+        return True
+
 
 # What one try at a debt came to (`DaemonLink._step`).
 _PAID = "paid"    # settled: done, never to be repeated, or given up
@@ -93,6 +147,16 @@ class DaemonLink:
         self._release_wake = threading.Event()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.states = StateLog(log, clock=breaker.clock)
+        #: Whether the last heartbeat reached the daemon (None: not tried yet).
+        self._up: bool | None = None
+        #: The daemon incarnation whose chunk size was checked, and why it was refused
+        #: (None: accepted or not checked yet).
+        self._checked_epoch: int | None = None
+        self.refused: str | None = None
+        self._transfer_logged: str | None = None
+        self._on_tick: list[Callable[[], None]] = []
+        metrics.daemon_refused("chunk_size", False)
         self.background = background
         if background:
             # Startup never blocks on the daemon: registration happens on the heartbeat.
@@ -112,8 +176,60 @@ class DaemonLink:
         """Registered with the daemon the connector talks to now."""
         epoch = self.connector.epoch
         if self.registered_epoch is None or epoch != self.registered_epoch:
-            self._wake.set()  # let the heartbeat (re-)register now
+            if self.refused is None or epoch != self._checked_epoch:
+                self._wake.set()  # let the heartbeat (re-)register now
             return False
+        return True
+
+    def on_tick(self, fn: Callable[[], None]) -> None:
+        """Run `fn` at the end of every heartbeat (on the heartbeat thread); what it raises
+        is logged, never the heartbeat's end."""
+        self._on_tick.append(fn)
+
+    def breaker_changed(self, state: str) -> None:
+        """The breaker's `on_change`: one WARNING per change (rate-limited)."""
+        if state == BreakerState.OPEN:
+            self.states.change("breaker_open", "daemon %s: circuit breaker open, requests "
+                               "recompute without asking it; first probe in %.1f s",
+                               self._endpoint, self.breaker.cooldown_s)
+        elif state == BreakerState.HALF_OPEN:
+            self.states.change("breaker_half_open", "daemon %s: circuit breaker half-open, "
+                               "probing it", self._endpoint)
+        else:
+            self.states.change("breaker_closed", "daemon %s: circuit breaker closed, loads "
+                               "resume", self._endpoint)
+
+    @property
+    def _endpoint(self) -> str:
+        return str(getattr(self.connector, "endpoint", "in-memory"))
+
+    def _check_chunk_size(self, epoch: int) -> bool:
+        """At registration, once per daemon incarnation: its chunk size against this
+        config's. False (refused: one ERROR, `loadback_daemon_refused{reason="chunk_size"}`
+        1) on a mismatch. Raises ConnectorError when the daemon does not answer."""
+        ask = getattr(self.connector, "get_chunk_size", None)
+        if ask is None:
+            return True  # a connector with no daemon behind it (in-memory)
+        if epoch == self._checked_epoch:
+            return self.refused is None
+        theirs = int(ask(self.control_s))
+        ours = self.connector.chunk_size
+        self._checked_epoch = epoch
+        was = self.refused
+        if theirs != ours:
+            self.refused = (f"daemon {self._endpoint} --chunk-size {theirs}, this config "
+                            f"chunk_size {ours}: start the daemon with --chunk-size {ours} or "
+                            f"set chunk_size: {theirs}")
+            self.metrics.daemon_refused("chunk_size", True)
+            self.states.change("refused", "daemon refused, every request recomputes until "
+                               "one with the right chunk size registers: %s", self.refused,
+                               level=logging.ERROR)
+            return False
+        self.refused = None
+        self.metrics.daemon_refused("chunk_size", False)
+        if was is not None:
+            self.states.change("accepted", "daemon %s accepted: its chunk size %d matches",
+                               self._endpoint, ours)
         return True
 
     def suspect(self) -> None:
@@ -271,7 +387,18 @@ class DaemonLink:
 
     def tick(self) -> None:
         """One heartbeat: register if needed, probe when the breaker allows, ping, pay
-        debts. Runs on the heartbeat thread; tests call it directly."""
+        debts, then the `on_tick` callbacks. Runs on the heartbeat thread; tests call it
+        directly."""
+        try:
+            self._tick()
+        finally:
+            for fn in list(self._on_tick):
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - a callback's bug never ends the heartbeat
+                    log.exception("heartbeat callback %r failed", fn)
+
+    def _tick(self) -> None:
         late = self.connector.late_replies
         if late > self._late_seen:
             self.metrics.late_reply(late - self._late_seen)
@@ -282,20 +409,38 @@ class DaemonLink:
                 return
             # A new daemon accepted our connection: probe it now, not after the cooldown.
             self.breaker.probe_now()
+        if self.refused is not None and epoch == self._checked_epoch:
+            return  # this incarnation was refused: checked again when another answers
         must_register = (self.registered_epoch is None or epoch != self.registered_epoch
                          or self._suspect.is_set())
         try:
             if must_register:
                 self._suspect.clear()
+                if not self._check_chunk_size(epoch):
+                    self.registered_epoch = None
+                    self._up = True
+                    self.metrics.set_daemon_up(True)
+                    return
                 # Off the request path: registration may take the connect budget.
                 self.connector.register(
                     max(self.control_s, self.config.deadlines.connect_ms / 1000))
-                if self.registered_epoch is not None and epoch != self.registered_epoch:
+                old = self.registered_epoch
+                if old is not None and epoch != old:
                     self.metrics.reregistered()
+                    self.states.change("reregistered", "daemon %s: re-registered with a new "
+                                       "incarnation (epoch %d -> %d); what was owed to the "
+                                       "old one is dropped", self._endpoint, old, epoch)
+                elif old is None:
+                    log.info("daemon %s: registered (epoch %d)", self._endpoint, epoch)
                 self.registered_epoch = epoch
                 mode = getattr(self.connector, "transfer", None)
                 if mode in TRANSFER_MODES:  # auto decides again at every registration
                     self.metrics.transfer_mode(mode)
+                    if mode != self._transfer_logged:
+                        self._transfer_logged = mode
+                        self.states.change("transfer", "daemon %s: transfer mode %s chosen "
+                                           "(setting %s)", self._endpoint, mode, getattr(
+                                               self.connector, "transfer_setting", mode))
             else:
                 self.connector.ping(self.control_s)
         except ConnectorError as exc:
@@ -311,12 +456,18 @@ class DaemonLink:
                     log.debug("heartbeat failed: %s", exc)
             else:
                 log.debug("heartbeat failed: %s", exc)
+            if self._up is not False and not isinstance(exc, VersionSkew):
+                self._up = False
+                self.states.change("down", "daemon %s %s: %s; requests recompute until it "
+                                   "answers", self._endpoint, "down" if self.registered_epoch
+                                   is not None else "not reachable", exc)
             self.metrics.set_daemon_up(False)
             if self.registered_epoch is None and self.breaker.state == BreakerState.CLOSED:
                 self.breaker.trip()  # never reached: answer 0 at once until a probe succeeds
             else:
                 self.breaker.record(False)
             return
+        self._up = True
         self.metrics.set_daemon_up(True)
         if self.breaker.state == BreakerState.HALF_OPEN:
             self.breaker.record(True)

@@ -1,16 +1,25 @@
-"""What the daemon link tells an operator: a daemon of another lmcache version is a WARNING
-(an operator must act), at most once a minute; other heartbeat failures stay at DEBUG."""
+"""What the daemon link tells an operator: one WARNING per change of the relationship with the
+daemon (down, breaker open / half-open / closed, re-registered), each kind at most once per
+STATE_LOG_INTERVAL_S with the changes suppressed meanwhile counted in its next line; a daemon of
+another lmcache version is a WARNING at most once a minute; the heartbeat's own failures and
+request-scoped detail stay at DEBUG, naming the request."""
 
 from __future__ import annotations
 
 import logging
 
-from connectors.errors import DaemonUnavailable, VersionSkew
+from connectors.errors import DaemonTimeout, DaemonUnavailable, VersionSkew
+from orchestrator.link import STATE_LOG_INTERVAL_S
 from tests.unit.test_orchestrator_unit import make
 
 
 def _heartbeat_records(caplog):
     return [r for r in caplog.records if r.name == "loadback" and "heartbeat failed" in r.message]
+
+
+def _warnings(caplog, text=""):
+    return [r.getMessage() for r in caplog.records
+            if r.name == "loadback" and r.levelno == logging.WARNING and text in r.getMessage()]
 
 
 def test_version_skew_is_a_warning_once_a_minute(caplog):
@@ -26,11 +35,84 @@ def test_version_skew_is_a_warning_once_a_minute(caplog):
     orch.close()
 
 
-def test_a_daemon_that_is_down_stays_at_debug(caplog):
-    orch, conn, _, _ = make()
+def test_a_daemon_going_down_is_one_warning_per_change(caplog):
+    """The first failed heartbeat after the daemon answered is one WARNING naming it and the
+    error; the failures after it are not (their own lines stay at DEBUG)."""
+    orch, conn, _, clock = make(breaker={"consecutive_failures": 100})
     caplog.set_level(logging.DEBUG, logger="loadback")
-    conn.fail_next["ping"].append(DaemonUnavailable("down"))
+    for _ in range(3):
+        conn.fail_next["ping"].append(DaemonUnavailable("connection refused"))
+        orch.tick()
+    assert [r.levelno for r in _heartbeat_records(caplog)] == [logging.DEBUG] * 3
+    down = _warnings(caplog, " down")
+    assert down == ["daemon in-memory down: connection refused; requests recompute until it "
+                    "answers"]
+    orch.tick()  # answers again
+    clock.t += STATE_LOG_INTERVAL_S
+    conn.fail_next["ping"].append(DaemonUnavailable("refused again"))
     orch.tick()
-    recs = _heartbeat_records(caplog)
-    assert [r.levelno for r in recs] == [logging.DEBUG]
+    assert len(_warnings(caplog, " down")) == 2 and "refused again" in _warnings(caplog)[-1]
+    orch.close()
+
+
+def test_breaker_open_half_open_closed_each_one_warning(caplog):
+    orch, conn, _, clock = make(breaker={"consecutive_failures": 2, "cooldown_ms": 100})
+    caplog.set_level(logging.DEBUG, logger="loadback")
+    for _ in range(2):
+        conn.fail_next["ping"].append(DaemonTimeout("ping", 0.2))
+        orch.tick()
+    assert orch.breaker.state == "open"
+    assert len(_warnings(caplog, "circuit breaker open")) == 1
+    assert "first probe in 0.1 s" in _warnings(caplog, "circuit breaker open")[0]
+    clock.t += 0.2
+    orch.tick()  # half-open, the probe answers: closed
+    assert orch.breaker.state == "closed"
+    assert len(_warnings(caplog, "circuit breaker half-open")) == 1
+    assert len(_warnings(caplog, "circuit breaker closed, loads resume")) == 1
+
+
+def test_state_changes_are_rate_limited_and_the_suppressed_ones_counted(caplog):
+    """The breaker flapping: one line per kind per interval; the next line after the interval
+    says how many changes were not logged."""
+    orch, conn, _, clock = make(breaker={"consecutive_failures": 1, "cooldown_ms": 100})
+    caplog.set_level(logging.DEBUG, logger="loadback")
+    for _ in range(3):  # open, then (probe fails) half-open -> open, twice more
+        conn.fail_next["ping"].append(DaemonTimeout("ping", 0.2))
+        orch.tick()
+        clock.t += 1.0
+    assert orch.breaker.state == "open"
+    opened = _warnings(caplog, "circuit breaker open")
+    assert len(opened) == 1 and len(_warnings(caplog, "half-open")) == 1
+    clock.t += STATE_LOG_INTERVAL_S
+    orch.tick()  # the probe answers: half-open and closed, each logged
+    clock.t += STATE_LOG_INTERVAL_S
+    conn.fail_next["ping"].append(DaemonTimeout("ping", 0.2))
+    orch.tick()  # opens again: logged, with the two opens it did not log
+    opened = _warnings(caplog, "circuit breaker open")
+    assert len(opened) == 2
+    assert opened[1].endswith("(2 earlier breaker_open changes not logged: at most one line "
+                              f"per {STATE_LOG_INTERVAL_S:g} s)")
+    assert "earlier breaker_half_open change not logged" in _warnings(caplog, "half-open")[-1]
+    orch.close()
+
+
+def test_a_new_daemon_incarnation_is_one_warning_naming_both_epochs(caplog):
+    orch, conn, _, clock = make()
+    caplog.set_level(logging.DEBUG, logger="loadback")
+    conn.restart()
+    orch.tick()
+    assert _warnings(caplog, "re-registered") == [
+        "daemon in-memory: re-registered with a new incarnation (epoch 0 -> 1); what was owed "
+        "to the old one is dropped"]
+    orch.close()
+
+
+def test_request_detail_is_debug_naming_the_request(caplog):
+    orch, conn, _, _ = make(retries={"max_attempts": 1})
+    caplog.set_level(logging.DEBUG, logger="loadback")
+    conn.fail_next["lookup"].append(DaemonTimeout("lookup", 0.05))
+    orch.match("req-42", list(range(64)))
+    about = [r for r in caplog.records if "req-42" in r.getMessage()]
+    assert about and all(r.levelno == logging.DEBUG for r in about)
+    assert any("degraded (lookup_timeout)" in r.getMessage() for r in about)
     orch.close()
