@@ -1,7 +1,9 @@
-"""Hot reload: policy values change live; a bad file changes nothing and is counted."""
+"""Hot reload: policy values change live; a bad file changes nothing and is counted. Inside
+the engine the file is watched from the heartbeat (ConfigWatcher), never by a signal."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -12,7 +14,7 @@ import torch
 from connectors.kv_layout import KVLayout
 from connectors.memory import InMemoryConnector
 from orchestrator import LoadBackConfig, LoadBackOrchestrator
-from orchestrator.reload import ConfigReloader
+from orchestrator.reload import ConfigReloader, ConfigWatcher
 from tests.conftest import make_pool
 
 
@@ -117,3 +119,67 @@ def test_unexpected_error_in_reload_is_counted_not_raised(orch, tmp_path, monkey
     monkeypatch.setattr(LoadBackConfig, "from_yaml", staticmethod(broken))
     assert ConfigReloader(orch, f, install_sighup=False).reload_now() is False
     assert failures(orch) == 1 and gen(orch) == 1
+
+
+# -- ConfigWatcher: the file watched from the heartbeat (inside SGLang: no signal) ----------
+
+
+class Ticks:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _edit(f, text):
+    """Write `text` with an mtime that differs from the last write's (coarse clocks)."""
+    before = f.stat().st_mtime_ns if f.exists() else 0
+    f.write_text(text)
+    os.utime(f, ns=(before + 10**9, before + 10**9))
+
+
+def test_watcher_applies_a_changed_file_once_per_heartbeat_from_the_tick(orch, tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("chunk_size: 16\n")
+    clock, applied = Ticks(), []
+    w = ConfigWatcher(orch, f, on_apply=applied.append, clock=clock)
+    orch.on_tick(w.check)
+    _edit(f, "chunk_size: 16\ndeadlines:\n  lookup_ms: 3\n")
+    orch.tick()  # less than one heartbeat interval since the last look: not read
+    assert gen(orch) == 1 and applied == []
+    clock.t += orch.config.heartbeat.interval_ms / 1000
+    orch.tick()
+    assert gen(orch) == 2 and orch.config.deadlines.lookup_ms == 3
+    assert applied == [orch.config]
+    clock.t += 10
+    os.utime(f, ns=(f.stat().st_mtime_ns + 10**9,) * 2)  # touched, same content: no reload
+    orch.tick()
+    assert gen(orch) == 2 and len(applied) == 1
+
+
+def test_watcher_refuses_a_bad_edit_once_at_warning_and_keeps_serving(orch, tmp_path, caplog):
+    f = tmp_path / "c.yaml"
+    f.write_text("chunk_size: 16\n")
+    w = ConfigWatcher(orch, f)
+    _edit(f, "chunk_size: 16\ndeadlines:\n  lookup_ms: -5\n")
+    for _ in range(3):
+        assert w.check(force=True) in (False, None)
+    refused = [r for r in caplog.records if "config reload rejected" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelno == logging.WARNING
+    assert str(f) in refused[0].getMessage() and "lookup_ms" in refused[0].getMessage()
+    assert gen(orch) == 1 and failures(orch) == 1
+    _edit(f, "chunk_size: 16\ndeadlines:\n  lookup_ms: 5\n")  # fixed: applies
+    assert w.check(force=True) is True and gen(orch) == 2 and failures(orch) == 1
+
+
+def test_watcher_survives_the_file_disappearing(orch, tmp_path, caplog):
+    f = tmp_path / "c.yaml"
+    f.write_text("chunk_size: 16\n")
+    w = ConfigWatcher(orch, f)
+    f.unlink()
+    assert w.check(force=True) is False and w.check(force=True) is False
+    assert failures(orch) == 1 and gen(orch) == 1
+    assert len([r for r in caplog.records if "cannot be read" in r.getMessage()]) == 1
+    _edit(f, "chunk_size: 16\nretries:\n  max_attempts: 1\n")
+    assert w.check(force=True) is True and orch.config.retries.max_attempts == 1
