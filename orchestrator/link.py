@@ -26,9 +26,9 @@ naming its request id.
 
 A refused daemon is never registered: `registered()` answers False without waking the
 heartbeat (match answers 0 at once, without touching the socket), and the check is made again
-at the next registration attempt, i.e. with the next daemon incarnation (a daemon cannot change
-its chunk size without a restart), so a daemon restarted with the right size is accepted
-without an engine restart. Callbacks given to `on_tick` run at the end of every heartbeat
+at the next registration attempt: at once when a new daemon incarnation answers, else every
+REFUSED_RECHECK_S (a proxy in front can hide a restart from the epoch), so a daemon restarted
+with the right size is accepted without an engine restart. Callbacks given to `on_tick` run at the end of every heartbeat
 (the SGLang backend watches its config file there).
 """
 
@@ -97,6 +97,10 @@ class StateLog:
         return True
 
 
+#: A refused daemon is asked its chunk size again at most this often on one connection (and
+#: at once when a new daemon incarnation answers).
+REFUSED_RECHECK_S = 5.0
+
 # What one try at a debt came to (`DaemonLink._step`).
 _PAID = "paid"    # settled: done, never to be repeated, or given up
 _WAIT = "wait"    # its `ready` is false: not tried, no try spent
@@ -153,6 +157,7 @@ class DaemonLink:
         #: The daemon incarnation whose chunk size was checked, and why it was refused
         #: (None: accepted or not checked yet).
         self._checked_epoch: int | None = None
+        self._checked_at = float("-inf")
         self.refused: str | None = None
         self._transfer_logged: str | None = None
         self._on_tick: list[Callable[[], None]] = []
@@ -204,26 +209,26 @@ class DaemonLink:
         return str(getattr(self.connector, "endpoint", "in-memory"))
 
     def _check_chunk_size(self, epoch: int) -> bool:
-        """At registration, once per daemon incarnation: its chunk size against this
-        config's. False (refused: one ERROR, `loadback_daemon_refused{reason="chunk_size"}`
-        1) on a mismatch. Raises ConnectorError when the daemon does not answer."""
+        """At every registration attempt (an inline round trip): the daemon's chunk size
+        against this config's. False (refused: one ERROR per change,
+        `loadback_daemon_refused{reason="chunk_size"}` 1) on a mismatch. Raises
+        ConnectorError when the daemon does not answer."""
         ask = getattr(self.connector, "get_chunk_size", None)
         if ask is None:
             return True  # a connector with no daemon behind it (in-memory)
-        if epoch == self._checked_epoch:
-            return self.refused is None
         theirs = int(ask(self.control_s))
         ours = self.connector.chunk_size
-        self._checked_epoch = epoch
+        self._checked_epoch, self._checked_at = epoch, self.breaker.clock()
         was = self.refused
         if theirs != ours:
             self.refused = (f"daemon {self._endpoint} --chunk-size {theirs}, this config "
                             f"chunk_size {ours}: start the daemon with --chunk-size {ours} or "
                             f"set chunk_size: {theirs}")
             self.metrics.daemon_refused("chunk_size", True)
-            self.states.change("refused", "daemon refused, every request recomputes until "
-                               "one with the right chunk size registers: %s", self.refused,
-                               level=logging.ERROR)
+            if self.refused != was:
+                self.states.change("refused", "daemon refused, every request recomputes "
+                                   "until one with the right chunk size registers: %s",
+                                   self.refused, level=logging.ERROR)
             return False
         self.refused = None
         self.metrics.daemon_refused("chunk_size", False)
@@ -409,8 +414,11 @@ class DaemonLink:
                 return
             # A new daemon accepted our connection: probe it now, not after the cooldown.
             self.breaker.probe_now()
-        if self.refused is not None and epoch == self._checked_epoch:
-            return  # this incarnation was refused: checked again when another answers
+        if (self.refused is not None and epoch == self._checked_epoch
+                and self.breaker.clock() - self._checked_at < REFUSED_RECHECK_S):
+            # Refused: asked again when another incarnation answers, or after a while (a
+            # proxy in front may hide a daemon's restart from the connection's epoch).
+            return
         must_register = (self.registered_epoch is None or epoch != self.registered_epoch
                          or self._suspect.is_set())
         try:

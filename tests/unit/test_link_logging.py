@@ -116,3 +116,39 @@ def test_request_detail_is_debug_naming_the_request(caplog):
     assert about and all(r.levelno == logging.DEBUG for r in about)
     assert any("degraded (lookup_timeout)" in r.getMessage() for r in about)
     orch.close()
+
+
+def test_a_refused_daemon_is_asked_again_only_every_recheck_interval_and_logged_once(caplog):
+    """Behind a proxy a daemon's restart may not change the connection's epoch: a refused
+    daemon is asked its chunk size again every REFUSED_RECHECK_S (one ERROR for the same
+    refusal), and accepted once it answers the config's size."""
+    from orchestrator.link import REFUSED_RECHECK_S
+
+    orch, conn, _, clock = make()
+    caplog.set_level(logging.DEBUG, logger="loadback")
+    asked = []
+    theirs = [4 * conn.chunk_size]
+    conn.get_chunk_size = lambda timeout_s: asked.append(timeout_s) or theirs[0]
+    conn.restart()
+    orch.tick()
+    assert orch.link.refused is not None and not orch.link.registered()
+    for _ in range(3):
+        orch.tick()
+    assert len(asked) == 1
+    assert orch.match("r-refused", list(range(8 * conn.chunk_size))).tokens == 0
+    clock.t += REFUSED_RECHECK_S
+    orch.tick()
+    assert len(asked) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [f"daemon refused, every request recomputes until one with the right "
+                      f"chunk size registers: daemon in-memory --chunk-size {theirs[0]}, this "
+                      f"config chunk_size {conn.chunk_size}: start the daemon with --chunk-size "
+                      f"{conn.chunk_size} or set chunk_size: {theirs[0]}"]
+    assert orch.metrics.snapshot()["loadback_daemon_refused{reason=chunk_size}"] == 1
+    theirs[0] = conn.chunk_size
+    clock.t += REFUSED_RECHECK_S
+    orch.tick()
+    assert orch.link.refused is None and orch.link.registered()
+    assert orch.metrics.snapshot()["loadback_daemon_refused{reason=chunk_size}"] == 0
+    assert len(_warnings(caplog, "accepted: its chunk size")) == 1
+    orch.close()
