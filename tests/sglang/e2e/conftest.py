@@ -59,16 +59,21 @@ def report(name: str, **figures) -> None:
 def make_stack(tmp_path_factory):
     """Build SGLang + daemon + fault proxy; `kind` "loadback" (ours) or "upstream"
     (`--enable-lmcache` alone). `daemon_up=False` starts the server with nothing listening on
-    the LMCache port (the test starts daemon and proxy later through `bring_up`)."""
+    the LMCache port (the test starts daemon and proxy later through `bring_up`).
+    `daemon_chunk`: the daemon's --chunk-size (the YAML says CHUNK); `overrides`: appended to
+    our YAML; `metrics`: SGLang's own /metrics (--enable-metrics, multiprocess mode) carries the
+    loadback_* series; `extra_args`: more server flags."""
     made: list[Stack] = []
 
     def make(kind: str, *, daemon_up: bool = True, deadline_s: float = 30.0,
-             tp: int = 1) -> Stack:
+             tp: int = 1, daemon_chunk: int = CHUNK, overrides: str = "",
+             metrics: bool = False, extra_args: tuple[str, ...] = ()) -> Stack:
         run_dir = tmp_path_factory.mktemp(f"e2e-{kind}-tp{tp}")
-        daemon = DaemonProcess(chunk_size=CHUNK, http=True, log_dir=str(run_dir))
+        daemon = DaemonProcess(chunk_size=daemon_chunk, http=True, log_dir=str(run_dir))
         port = free_port()
         if kind == "loadback":
-            cfg = write_loadback_yaml(run_dir / "loadback.yaml", port, chunk_size=CHUNK)
+            cfg = write_loadback_yaml(run_dir / "loadback.yaml", port, chunk_size=CHUNK,
+                                      overrides=overrides)
             backend = "loadback"
         elif kind == "upstream":
             cfg = write_upstream_yaml(run_dir / "upstream.yaml", port,
@@ -86,10 +91,14 @@ def make_stack(tmp_path_factory):
                 str(r % (os.cpu_count() or 1)) for r in range(tp))
             # SGLang's own /metrics (multiprocess mode) carries every rank's loadback_* series
             probe["extra_args"] = ["--tp-size", str(tp), "--enable-metrics"]
+        if metrics and "--enable-metrics" not in probe.get("extra_args", []):
+            probe.setdefault("extra_args", []).append("--enable-metrics")
+        if extra_args:
+            probe.setdefault("extra_args", []).extend(extra_args)
         server = SGLangServer(python=sys.executable, lmcache_config=cfg, backend=backend,
                               log_path=run_dir / "server.log", **probe)
         stack = Stack(server=server, daemon=daemon, proxy=None, deadline_s=deadline_s,
-                      proxy_port=port)
+                      proxy_port=port, config_path=cfg)
         made.append(stack)
         if daemon_up:
             bring_up(stack)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import random
 import time
+import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from connectors.daemon import DaemonProcess
 from connectors.fault_proxy import FaultProxy, FaultRule
@@ -50,6 +52,7 @@ class Stack:
     proxy_port: int = 0
     seeds: int = 1000
     stored: bool = False  # whether the last cold() prompt reached the daemon
+    config_path: Path | None = None  # the server's --lmcache-config-file
     log: list[Generation] = field(default_factory=list)
 
     def new_seed(self) -> int:
@@ -110,6 +113,18 @@ class Stack:
         self.daemon.kill()
         self.proxy.clear()
         return pending
+
+    def metric(self, series: str) -> list[float]:
+        """Every sample of `series` (a name, or a name with its labels as exposed) on SGLang's
+        own /metrics (--enable-metrics): one per process for a per-process gauge."""
+        with urllib.request.urlopen(self.server.url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        out = []
+        for line in text.splitlines():
+            name = line.split(" ", 1)[0]
+            if name == series or (name.startswith(series + "{") and "{" not in series):
+                out.append(float(line.rsplit(" ", 1)[1]))
+        return out
 
     def close(self) -> float:
         """Stop server (by process group), proxy and daemon; idempotent. Returns stop seconds."""
