@@ -9,8 +9,12 @@ session of ours (asked of the daemon). Upstream at TP 2 gets the same traffic, m
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +58,21 @@ def test_tp2_storage_hit_has_the_recomputed_output(ours_tp):
     loaded = _sglang_metric(ours_tp, 'loadback_prefix_outcomes_total{reason="none",state="loaded"}')
     hits = sum(1 for g in ours_tp.log if loaded_tokens(g) > 0)
     assert loaded == TP * hits, (loaded, hits)
+    # `loadback status` reads the same endpoint: what an operator sees of this server.
+    loadback = Path(sys.executable).with_name("loadback")
+    url = ours_tp.server.url + "/metrics"
+    st = json.loads(subprocess.run([str(loadback), "status", "--url", url, "--json"],
+                                   capture_output=True, text=True, timeout=60,
+                                   check=True).stdout)
+    assert st["daemon"]["endpoint"] == f"tcp://127.0.0.1:{ours_tp.proxy_port}", st
+    assert st["daemon"]["up"] and not st["daemon"]["refused"], st
+    assert st["registration_epoch"] is not None and st["registration_epoch"] >= 0, st
+    assert st["breaker"] == "closed" and st["transfer_mode"] == "pickle", st
+    assert st["owed_releases"] == 0 and st["queues"]["store"] == 0, st
+    assert st["scheduler_wait"]["calls"] > 0, st
+    table = subprocess.run([str(loadback), "status", "--url", url], capture_output=True,
+                           text=True, timeout=60, check=True).stdout
+    print(f"\nloadback status of the TP 2 server:\n{table}")
     report("ours_tp2_happy", details=details, recompute_s=round(ref.latency_s, 3),
            loaded_s=round(again.latency_s, 3), start_s=round(ours_tp.server.start_s, 1),
            daemon_after=held)
