@@ -397,6 +397,9 @@ class DaemonLink:
         try:
             self._tick()
         finally:
+            # Every tick, also while an open breaker waits for its probe: the owed releases,
+            # epoch and dropped fences an operator reads (multiprocess mode has no scrape hook).
+            self.metrics.refresh()
             for fn in list(self._on_tick):
                 try:
                     fn()

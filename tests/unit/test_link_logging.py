@@ -152,3 +152,19 @@ def test_a_refused_daemon_is_asked_again_only_every_recheck_interval_and_logged_
     assert orch.metrics.snapshot()["loadback_daemon_refused{reason=chunk_size}"] == 0
     assert len(_warnings(caplog, "accepted: its chunk size")) == 1
     orch.close()
+
+
+def test_an_open_breaker_still_refreshes_what_the_operator_reads():
+    """While an open breaker waits for its probe the heartbeat returns early; the owed releases
+    an operator reads (loadback_owed_releases) must still follow the debts, each tick."""
+    orch, conn, _, _ = make(breaker={"consecutive_failures": 1, "cooldown_ms": 60_000,
+                                     "cooldown_max_ms": 60_000})
+    owed = [0]
+    orch.metrics.watch(pending_debts=lambda: owed[0])
+    orch.breaker.trip()
+    owed[0] = 3
+    orch.tick()
+    # Read the gauge itself: a scrape (snapshot) would refresh it on its own, and multiprocess
+    # mode (SGLang's /metrics) has no such scrape hook: the heartbeat is all it gets.
+    assert orch.metrics.pending_debts._value.get() == 3
+    orch.close()
