@@ -39,10 +39,11 @@ class PrefetchHooks:
 
     def _submit(self, handle, key, salt: str, device_len: int, *, relookups: int = 0) -> bool:
         """Hand a LOOKUP to the worker (voiding the request's earlier promise); False when
-        the daemon could add less than a chunk, so there is nothing to ask."""
+        the daemon could add less than a chunk, so there is nothing to ask, or when the
+        worker already holds its bound of LOOKUPs (the request recomputes)."""
         self._drop(handle, abort=True)
         ids = array("q", key.raw_token_ids()[: len(key)])
-        if len(ids) - device_len < self.chunk_size:
+        if len(ids) - device_len < self.chunk_size or not self._worker.has_room(handle):
             return False
         p = Promise(self._next_id(handle), ids, salt, device_len, relookups=relookups,
                      key=RadixKey(array("q", ids), key.extra_key, cache_salt=key.cache_salt))

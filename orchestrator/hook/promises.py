@@ -58,7 +58,12 @@ class _Worker:
     name = "loadback-worker"
     queue = "lookup"  # which depth series it sets (LoadbackMetrics.queue_depth)
 
-    def __init__(self, orch) -> None:
+    def __init__(self, orch, *, max_queued: int) -> None:
+        if max_queued < 1:
+            raise ValueError(f"{type(self).__name__} max_queued must be at least 1, "
+                             f"got {max_queued}")
+        self.max_queued = max_queued
+        self.skipped = 0     # jobs refused: max_queued were held already
         self.orch = orch
         #: The orchestrator's LoadbackMetrics (None for an orchestrator without metrics).
         self.metrics = getattr(orch, "metrics", None)
@@ -88,6 +93,24 @@ class _Worker:
             log.debug("loadback: the %s thread died again; restarted (%d times)", self.name,
                       self.restarts)
         self._thread = self._start()
+
+    def _held(self) -> int:
+        """Jobs that still hold what they were given (queued or running)."""
+        return self.depth
+
+    def has_room(self, request_id: str) -> bool:
+        """Scheduler thread, before it builds a job: False (counted, logged at DEBUG) when
+        `max_queued` jobs are held already; the caller then goes without (recomputes)."""
+        held = self._held()
+        if held < self.max_queued:
+            return True
+        self.skipped += 1
+        self._count_skipped()
+        log.debug("%s for %s skipped: %d jobs already held", self.queue, request_id, held)
+        return False
+
+    def _count_skipped(self) -> None:
+        raise NotImplementedError
 
     def _queue(self, job) -> None:
         self.ensure_alive()
@@ -130,9 +153,13 @@ class LookupWorker(_Worker):
 
     name = "loadback-lookup"
 
-    def __init__(self, orch) -> None:
-        super().__init__(orch)
+    def __init__(self, orch, *, max_queued: int = 256) -> None:
+        super().__init__(orch, max_queued=max_queued)
         self.expired = 0     # jobs dropped at dequeue, past their deadline or abandoned
+
+    def _count_skipped(self) -> None:
+        if self.metrics is not None:  # the request goes without a LOOKUP: it recomputes
+            self.metrics.observe_lookup(None, "skipped")
 
     def submit(self, job: Lookup) -> None:
         self._queue(job)
@@ -208,25 +235,19 @@ class StoreWorker(_Worker):
     queue = "store"
 
     def __init__(self, orch, *, max_queued: int = 64) -> None:
-        if max_queued < 1:
-            raise ValueError(f"StoreWorker max_queued must be at least 1, got {max_queued}")
         self.completed: queue.SimpleQueue = queue.SimpleQueue()
-        self.max_queued = max_queued
-        self.skipped = 0     # stores not queued: max_queued were waiting or running
-        super().__init__(orch)
+        super().__init__(orch, max_queued=max_queued)
         if self.metrics is not None:
             self.metrics.store_queue_limit.set(max_queued)
 
-    def has_room(self, request_id: str) -> bool:
-        """Scheduler thread, before it locks the store's node: False (counted, logged at
-        DEBUG) when the queue is full and the store is skipped."""
-        if self.depth < self.max_queued:
-            return True
-        self.skipped += 1
+    def _held(self) -> int:
+        # A store that went through keeps its tree lock until the scheduler thread drains
+        # it (with TP > 1, until every rank finished it): it counts until then.
+        return self.depth + self.completed.qsize()
+
+    def _count_skipped(self) -> None:
         if self.metrics is not None:
             self.metrics.store_skipped()
-        log.debug("store %s skipped: %d stores already queued", request_id, self.depth)
-        return False
 
     def submit(self, job: StoreJob) -> None:
         self._queue(job)

@@ -311,6 +311,49 @@ def test_lookups_past_their_deadline_never_reach_the_daemon(live_daemon, make_ca
     assert orch.live_prefixes() == 0
 
 
+def test_lookup_queue_is_bounded_and_a_skipped_lookup_recomputes(live_daemon, make_cache):
+    """With the worker held in one LOOKUP and `max_queued` jobs held, a further prefetch
+    hands over nothing (no job, counted); that request recomputes; the held ones complete."""
+    cache, s, ids = stored(make_cache, live_daemon)
+    orch = cache.orch
+    worker = cache._worker
+    worker.max_queued = 3
+    gate = Gate(LOOKUP_THREAD)
+    hold_after(orch, "match", gate)
+    reqs = [s.new_req(f"lb{i}", ids + [20 + i]) for i in range(5)]
+    s.prefetch(reqs[0])
+    gate.wait_reached()
+    for r in reqs[1:]:
+        s.prefetch(r)
+    queued = [r for r in reqs if r.cache_request_handle in cache._lookups]
+    assert queued == reqs[:3] and worker.skipped == 2
+    assert cache.lookup_queue_depth == 3
+    gate.go.set()
+    for r in reqs:
+        s.poll(r)
+        s.match(r)
+        s.abort(r)
+    assert cache.lookup_queue_depth == 0
+    daemon_idle(live_daemon, orch)
+    assert orch.live_prefixes() == 0
+
+
+def test_a_store_that_went_through_counts_until_it_is_drained(live_daemon, make_cache):
+    """A finished store keeps its tree lock until the scheduler thread drains it: it still
+    counts against the bound, so undrained stores cannot pile up locked nodes."""
+    cache, s = make(make_cache, live_daemon.port)
+    worker = cache._store_worker
+    worker.max_queued = 1
+    a = s.new_req("d0", fresh_ids(2 * CHUNK) + [1])
+    s.admit(a)
+    release(a, cache)
+    wait_for(lambda: worker.completed.qsize() == 1, 10, "the first store to go through")
+    assert not worker.has_room("next") and worker.skipped == 1
+    s.settle()
+    assert worker.has_room("next") and cache.protected_size() == 0
+    daemon_idle(live_daemon, cache.orch)
+
+
 def test_store_queue_is_bounded_and_a_skipped_store_locks_nothing(live_daemon, make_cache):
     cache, s = make(make_cache, live_daemon.port)
     orch = cache.orch
