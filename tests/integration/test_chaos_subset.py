@@ -3,6 +3,7 @@ invariant judged (`loadback chaos run --scenario all` runs them in full)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -62,12 +63,23 @@ def test_a_stuck_or_dead_engine_ends_the_run_and_fails_it(trouble, monkeypatch):
     whose thread died is named in dead_threads. Either way the run returns and is not ok."""
     monkeypatch.setattr(chaos, "ROUND_TIMEOUT_S", 1.0)
     real = Engine.request
+    barriers: list[threading.Barrier] = []
+
+    class SeenBarrier(threading.Barrier):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            barriers.append(self)
+
+    monkeypatch.setattr(threading, "Barrier", SeenBarrier)
 
     def request(self, prompt, local, *, phase=""):
         if self.name == "e1" and self.n == 3:
             if trouble == "crash":
                 raise RuntimeError("engine bug")
-            time.sleep(3)  # past the round's timeout
+            # Stuck until the harness gave up on the round (its barrier broken), bounded.
+            end = time.monotonic() + 30
+            while not barriers[-1].broken and time.monotonic() < end:
+                time.sleep(0.01)  # poll interval of the condition, not an ordering sleep
             return None
         return real(self, prompt, local, phase=phase)
 

@@ -29,6 +29,17 @@ pytestmark = [pytest.mark.daemon, pytest.mark.timeout(180)]
 REFUSED = 'loadback_daemon_refused{reason=chunk_size}'
 
 
+def _ticks(orch) -> list[int]:
+    """A counter of the heartbeats run from now on (the orchestrator's on_tick)."""
+    n = [0]
+
+    def tick() -> None:
+        n[0] += 1
+
+    orch.on_tick(tick)
+    return n
+
+
 def _records(caplog, level, text):
     return [r.getMessage() for r in caplog.records
             if r.name == "loadback" and r.levelno == level and text in r.getMessage()]
@@ -44,7 +55,8 @@ def test_a_daemon_of_another_chunk_size_is_refused_then_accepted_after_its_resta
     orch = LoadBackOrchestrator(config_for(d), conn, kv_pool=pool)
     try:
         assert wait_for(lambda: orch.link.refused is not None, 20)
-        time.sleep(0.3)  # six more heartbeats: nothing is asked or logged again
+        ticks = _ticks(orch)
+        assert wait_for(lambda: ticks[0] >= 6, 20)  # six more heartbeats: nothing new
         errors = _records(caplog, logging.ERROR, "refused")
         assert errors == [
             f"daemon refused, every request recomputes until one with the right chunk size "
@@ -89,7 +101,8 @@ def test_kill_and_restart_give_one_warning_per_change(live_daemon, layout, caplo
         first = h.orch.link.registered_epoch
         live_daemon.kill()
         assert wait_for(lambda: h.orch.breaker.state != "closed", 10)
-        time.sleep(0.5)  # ten heartbeats and probes against nothing
+        ticks = _ticks(h.orch)
+        assert wait_for(lambda: ticks[0] >= 10, 20)  # ten heartbeats and probes: nothing new
         down = _records(caplog, logging.WARNING, " down")
         assert len(down) == 1 and down[0].startswith(f"daemon {live_daemon.endpoint} down: ")
         assert len(_records(caplog, logging.WARNING, "circuit breaker open")) == 1
