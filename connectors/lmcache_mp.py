@@ -440,6 +440,11 @@ class LMCacheMPConnector:
     def late_replies(self) -> int:
         return self.transport.late_replies
 
+    @property
+    def fences_dropped(self) -> int:
+        """Abandoned calls no longer tracked (their fence never answered in time)."""
+        return self.transport.fences_dropped
+
     # -- composite operations ------------------------------------------------
 
     def lookup_hit_tokens(

@@ -60,8 +60,7 @@ def watch_daemon(orch: LoadBackOrchestrator, endpoint: str, transfer: str) -> No
     orch.metrics.watch(
         pending_debts=orch.pending_debts,
         registered_epoch=lambda: link.registered_epoch,
-        fences_dropped=lambda: getattr(getattr(connector, "transport", None),
-                                       "fences_dropped", 0))
+        fences_dropped=lambda: connector.fences_dropped)
 
 
 def kv_geometry(layout: KVLayout, tp_rank: int, tp_size: int) -> tuple[int, int, int, bool]:
