@@ -51,8 +51,10 @@ FAILURES: list[tuple[str, type[ConnectorError], Outcome]] = [
     ("retrieve", ShortRead, Outcome(R.SHORT_READ, suspect=True)),
     ("retrieve", ProtocolError, Outcome(R.CORRUPT_DATA, suspect=True)),
     ("retrieve", ConnectorError, Outcome(R.RETRIEVE_ERROR, suspect=True)),
-    ("store", DaemonTimeout, Outcome(None, timeout_op="store")),
-    ("store", ConnectorError, Outcome(None)),
+    # lmcache 0.5.6 drops an unregistered instance's transfers unanswered: a store is the
+    # only call a TP rank that is not the leader makes, so its failure must be suspect too.
+    ("store", DaemonTimeout, Outcome(None, timeout_op="store", suspect=True)),
+    ("store", ConnectorError, Outcome(None, suspect=True)),
 ]
 
 

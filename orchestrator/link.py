@@ -238,7 +238,10 @@ class DaemonLink:
         return True
 
     def suspect(self) -> None:
+        """The daemon may have forgotten us: the heartbeat re-registers now, not at its next
+        ping (a daemon restarted behind a proxy leaves the connection's epoch unchanged)."""
         self._suspect.set()
+        self._wake.set()
 
     def wake(self) -> None:
         self._wake.set()
