@@ -11,7 +11,7 @@ SG_PY ?= python3.11
 SGLANG_VERSIONS := 0.5.23 0.5.20
 SGLANG_VENVS := $(foreach v,$(SGLANG_VERSIONS),.venv-sglang-$(v)/.installed)
 # Test-only stubs for torchvision and vllm._custom_ops (imported, never called on the CPU path).
-SGLANG_ENV := PYTHONPATH=$(CURDIR)/tests/sglang/stubs HF_HUB_OFFLINE=1
+SGLANG_ENV := PYTHONPATH=$(CURDIR)/harness/sglang/stubs HF_HUB_OFFLINE=1
 
 .PHONY: venv sglang-envs prometheus-tools demo demo-sim test chaos bench clean
 

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from connectors.errors import ProtocolError, SlotsError
+from lmcache_loadback.connectors.errors import ProtocolError, SlotsError
 
 # Bytes per index op per CPU thread below which op overhead dominates: small chunks are grouped.
 _OP_BYTES = 256 << 10

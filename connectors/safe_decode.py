@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from connectors.errors import ProtocolError
+from lmcache_loadback.connectors.errors import ProtocolError
 
 _STORAGE_DTYPES = {
     "HalfStorage": torch.float16, "BFloat16Storage": torch.bfloat16,

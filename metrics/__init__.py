@@ -1,6 +1,6 @@
 """Prometheus instruments and the /metrics server; never imports `orchestrator`."""
-from metrics.instruments import LoadbackMetrics, UnknownLabelError
-from metrics.server import MetricsServer, MetricsServerBindError, start_metrics_server
+from lmcache_loadback.metrics.instruments import LoadbackMetrics, UnknownLabelError
+from lmcache_loadback.metrics.server import MetricsServer, MetricsServerBindError, start_metrics_server
 
 __all__ = [
     "LoadbackMetrics",

@@ -483,7 +483,7 @@ class LoadbackMetrics:
 
     def serve(self, host: str = "127.0.0.1", port: int = 0):
         """Start a /metrics server for this registry (see metrics.server)."""
-        from metrics.server import start_metrics_server
+        from lmcache_loadback.metrics.server import start_metrics_server
         return start_metrics_server(host=host, port=port, registry=self.registry)
 
     # ---- registration refusals (the daemon link) ----

@@ -14,7 +14,7 @@ import threading
 
 from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_http_server
 
-from metrics.instruments import multiprocess_enabled
+from lmcache_loadback.metrics.instruments import multiprocess_enabled
 
 __all__ = ["MetricsServer", "MetricsServerBindError", "start_metrics_server"]
 

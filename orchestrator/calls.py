@@ -16,15 +16,15 @@ from typing import Callable
 
 import torch
 
-from connectors.base import Connector, Retrieved
-from connectors.errors import (
+from lmcache_loadback.connectors.base import Connector, Retrieved
+from lmcache_loadback.connectors.errors import (
     ConnectorError,
     DaemonRejected,
     DaemonTimeout,
     DaemonUnavailable,
     SlotsError,
 )
-from metrics import LoadbackMetrics
+from lmcache_loadback.metrics import LoadbackMetrics
 
 from .failures import LookupUnsettled, classify
 from .leases import Lease, RequestKey

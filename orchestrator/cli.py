@@ -14,7 +14,7 @@ import json
 import sys
 import textwrap
 
-from connectors.telemetry import quiet_telemetry
+from lmcache_loadback.connectors.telemetry import quiet_telemetry
 
 from .exit_codes import EPILOG, EXIT_INVALID, EXIT_UNREADABLE, EXIT_USAGE
 
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval-ms", type=_positive_float, default=50.0, metavar="MS",
                    help="time between requests (default 50)")
     p.add_argument("--json", metavar="FILE", help="also write the result and the metrics")
-    p.set_defaults(fn=_run_tool("orchestrator.tools.demo"))
+    p.set_defaults(fn=_run_tool("lmcache_loadback.harness.demo"))
 
     p = sub.add_parser("sglang-demo", help="a real SGLang 0.5.23 server with this backend "
                        "beside upstream's, the daemon killed and restarted midway")
@@ -225,9 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{', '.join(SGLANG_DEMO_SIDES)} or both (default both)")
     p.add_argument("--probe", action="store_true",
                    help="time the scheduler thread inside each backend (test-only plugin in "
-                   "tests/sglang/probe, loaded through PYTHONPATH)")
+                   "harness/sglang/probe, loaded through PYTHONPATH)")
     p.add_argument("--json", metavar="FILE", help="also write both sides' summaries")
-    p.set_defaults(fn=_run_tool("orchestrator.tools.sglang_demo"))
+    p.set_defaults(fn=_run_tool("lmcache_loadback.harness.sglang.demo"))
 
     p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator), "
                        "gpu (CUDA KV pool)",
@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=_count(0), default=0, metavar="N",
                    help="samples per point (0 = the suite's default)")
     p.set_defaults(fn=lambda a: importlib.import_module(
-        f"orchestrator.tools.bench.{a.suite}").run(a))
+        f"lmcache_loadback.harness.bench.{a.suite}").run(a))
 
     p = sub.add_parser("chaos", help="break the daemon on purpose and check the invariants")
     csub = p.add_subparsers(dest="chaos_cmd", required=True, metavar="ACTION")
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "connector, orchestrator, metrics and KV pool, on its own thread; every "
                     "round all N issue a request at the same instant (a burst)")
     cr.add_argument("--json", metavar="FILE", help="also write every scenario's result")
-    cr.set_defaults(fn=_run_tool("orchestrator.tools.chaos"))
+    cr.set_defaults(fn=_run_tool("lmcache_loadback.harness.chaos"))
 
     p = sub.add_parser("tune", help="measure a running daemon and recommend a config",
                        description="Measure LOOKUP and RETRIEVE of a running daemon with the "
@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=_count(1), default=1, metavar="N",
                    help="with --model-config: tensor-parallel ranks sharing the KV heads")
     p.add_argument("--json", metavar="FILE", help="also write the raw measurements")
-    p.set_defaults(fn=_run_tool("orchestrator.tools.tune"))
+    p.set_defaults(fn=_run_tool("lmcache_loadback.harness.tune"))
 
     p = sub.add_parser(
         "status", help="how a running deployment is: daemon, breaker, queues, owed releases",
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout-s", type=_positive_float, default=5.0, metavar="S",
                    help="how long to wait for the endpoint (default 5)")
-    p.set_defaults(fn=_run_tool("orchestrator.status"))
+    p.set_defaults(fn=_run_tool("lmcache_loadback.orchestrator.status"))
     return parser
 
 

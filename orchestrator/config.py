@@ -104,7 +104,7 @@ class Metrics(_Section):
 
 
 class SGLang(_Section):
-    """The SGLang plugin's settings (orchestrator.hook)."""
+    """The SGLang plugin's settings (lmcache_loadback.engines.sglang)."""
 
     allow_untested: bool = False       # start on an SGLang release this product was not tested on
 

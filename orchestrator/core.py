@@ -24,9 +24,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from connectors.base import Connector
-from connectors.errors import ConnectorError, SlotsError
-from metrics import LoadbackMetrics
+from lmcache_loadback.connectors.base import Connector
+from lmcache_loadback.connectors.errors import ConnectorError, SlotsError
+from lmcache_loadback.metrics import LoadbackMetrics
 
 from .calls import Prefix, PrefixCalls
 from .config import ConfigError, LoadBackConfig

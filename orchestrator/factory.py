@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from connectors.kv_layout import KVLayout
-from connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.connectors.kv_layout import KVLayout
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 
 from .config import LoadBackConfig
 from .core import LoadBackOrchestrator
@@ -40,7 +40,7 @@ def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, me
     if owned is not None:
         orch.on_close(owned.close)
     if config.metrics.enabled:
-        from metrics import start_metrics_server
+        from lmcache_loadback.metrics import start_metrics_server
 
         # One exposition server per KV rank: rank r serves on port + r.
         server = start_metrics_server(config.metrics.host, config.metrics.port + kv_rank,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from connectors.errors import (
+from lmcache_loadback.connectors.errors import (
     ConnectorError,
     DaemonTimeout,
     ProtocolError,

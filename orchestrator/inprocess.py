@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from connectors.telemetry import quiet_telemetry
+from lmcache_loadback.connectors.telemetry import quiet_telemetry
 
 from .config import InProcess
 
@@ -26,7 +26,7 @@ class InProcessDaemon:
     _lock = threading.Lock()
 
     def __init__(self, settings: InProcess, host: str = "127.0.0.1", port: int = 0) -> None:
-        from connectors.daemon import free_port
+        from lmcache_loadback.connectors.ports import free_port
 
         self.settings = settings
         self.host = host

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from metrics import LoadbackMetrics
+from lmcache_loadback.metrics import LoadbackMetrics
 
 from .states import DegradeReason, PrefixState, transition_pairs
 

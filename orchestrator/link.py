@@ -41,10 +41,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from connectors.base import Connector
-from connectors.errors import ConnectorError, DaemonUnavailable, VersionSkew
-from metrics import LoadbackMetrics
-from metrics.instruments import TRANSFER_MODES
+from lmcache_loadback.connectors.base import Connector
+from lmcache_loadback.connectors.errors import ConnectorError, DaemonUnavailable, VersionSkew
+from lmcache_loadback.metrics import LoadbackMetrics
+from lmcache_loadback.metrics.instruments import TRANSFER_MODES
 
 from .config import LoadBackConfig
 from .policies import BreakerState, CircuitBreaker

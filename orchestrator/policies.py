@@ -14,7 +14,7 @@ from typing import Callable, TypeVar
 
 import tenacity
 
-from connectors.errors import ConnectorError
+from lmcache_loadback.connectors.errors import ConnectorError
 
 from .config import BreakEven, Breaker, Retries
 

@@ -18,7 +18,7 @@ __all__ = ["configs_dir", "export_configs"]
 
 def configs_dir() -> Path:
     """The directory holding the shipped configs (packaged, else the source checkout's)."""
-    packaged = importlib.resources.files("orchestrator") / "configs"
+    packaged = importlib.resources.files(__package__) / "configs"
     if packaged.is_dir():
         return Path(str(packaged))
     checkout = Path(__file__).resolve().parents[1] / "configs"

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.telemetry import quiet_telemetry
+from lmcache_loadback.connectors.telemetry import quiet_telemetry
 
 quiet_telemetry()
 
-from connectors.daemon import DaemonProcess  # noqa: E402
-from connectors.kv_layout import KVLayout, KVPool  # noqa: E402
-from connectors.lmcache_mp import LMCacheMPConnector  # noqa: E402
+from lmcache_loadback.testing.daemon import DaemonProcess  # noqa: E402
+from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool  # noqa: E402
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector  # noqa: E402
 
 CHUNK = 16
 

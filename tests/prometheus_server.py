@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from connectors.daemon import free_port
+from lmcache_loadback.testing.daemon import free_port
 
 __all__ = ["PrometheusTools", "PrometheusUnavailable", "find_prometheus", "PrometheusServer",
            "INSTALL_HINT"]

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from connectors.daemon import DaemonProcess
-from connectors.gpu_transfer import GpuTransferError
-from connectors.kv_layout import KVLayout, KVPool
-from connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.connectors.gpu_transfer import GpuTransferError
+from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from tests.stepping import Stepped
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon,
@@ -127,7 +127,7 @@ def test_sync_mode_lands_before_returning(shm_daemon, conns):
 
 def test_cuda_error_degrades_with_a_reason_and_owes_the_commit(shm_daemon, conns,
                                                                monkeypatch):
-    import connectors.gpu_transfer as gt
+    import lmcache_loadback.connectors.gpu_transfer as gt
 
     def broken(*a, **k):
         raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
@@ -221,7 +221,7 @@ def test_a_segment_retired_mid_load_stays_page_locked_until_the_copy_ran(conns, 
     """The daemon restarts and the connector registers again while a load has pinned the
     old segment but not yet queued its copy: the old segment is retired, not unregistered,
     until the load's ready event completed; the load is byte-exact."""
-    import connectors.gpu_transfer as gt
+    import lmcache_loadback.connectors.gpu_transfer as gt
     d = DaemonProcess(chunk_size=CHUNK, l1_size_gb=0.5, shm_name=f"lbgr{os.getpid()}")
     d.start()
     try:
@@ -253,7 +253,7 @@ def test_a_segment_retired_mid_load_stays_page_locked_until_the_copy_ran(conns, 
 
 
 def test_a_suspect_reregistration_does_not_page_lock_again(shm_daemon, conns, monkeypatch):
-    import connectors.gpu_transfer as gt
+    import lmcache_loadback.connectors.gpu_transfer as gt
     calls = []
     real = gt.register_host
     monkeypatch.setattr(gt, "register_host", lambda t: (calls.append(t), real(t))[1])
@@ -284,7 +284,7 @@ def test_a_pickle_store_stays_byte_exact_while_a_load_reuses_staging(pickle_daem
                                                                      monkeypatch):
     """The store's host chunks are serialised after its device-to-host copy: a pickle load
     running in between (through pinned staging) must not write where they are."""
-    import connectors.lmcache_mp as mp
+    import lmcache_loadback.connectors.lmcache_mp as mp
     lay = _layout()
     conn = conns(pickle_daemon, lay)
     o_src, o_toks, o_stored = _stored_prefix(conn, lay, "other")
@@ -303,7 +303,7 @@ def test_a_store_never_takes_the_staging_of_a_load_not_yet_copied(pickle_daemon,
                                                                   monkeypatch):
     """A pickle load staged its first piece and has not queued its copy: a store in between
     takes another buffer, and both are byte-exact."""
-    import connectors.gpu_transfer as gt
+    import lmcache_loadback.connectors.gpu_transfer as gt
     lay = _layout()
     conn = conns(pickle_daemon, lay)
     src, toks, stored = _stored_prefix(conn, lay, "l")

@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
-from connectors.daemon import DaemonProcess
-from connectors.lmcache_mp import LMCacheMPConnector
-from orchestrator import DegradeReason, LoadBackConfig, LoadBackOrchestrator, PrefixState
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.orchestrator import DegradeReason, LoadBackConfig, LoadBackOrchestrator, PrefixState
 from tests.conftest import CHUNK, make_pool
 from tests.integration.test_prepare_pieces import _spy_ops
 

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from orchestrator.tools.bench import client
+from lmcache_loadback.harness.bench import client
 
 pytestmark = [pytest.mark.daemon]
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from orchestrator.tools import chaos
-from orchestrator.tools.chaos import _leaks, load_scenarios, run_scenario
-from orchestrator.tools.workload import Engine
+from lmcache_loadback.harness import chaos
+from lmcache_loadback.harness.chaos import _leaks, load_scenarios, run_scenario
+from lmcache_loadback.harness.workload import Engine
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(300)]
 

@@ -12,9 +12,9 @@ from argparse import Namespace
 
 import pytest
 
-from orchestrator.tools import chaos
-from orchestrator.tools.bench.common import progress_bar
-from orchestrator.tools.chaos import load_scenarios, print_results, run_scenario
+from lmcache_loadback.harness import chaos
+from lmcache_loadback.harness.bench.common import progress_bar
+from lmcache_loadback.harness.chaos import load_scenarios, print_results, run_scenario
 
 
 @pytest.mark.daemon

@@ -10,12 +10,12 @@ import msgspec
 import pytest
 import torch
 
-from connectors import wire
-from connectors.daemon import DaemonProcess, free_port
-from connectors.errors import DaemonRejected, DaemonTimeout, DaemonUnavailable, SlotsError
-from connectors.kv_layout import KVLayout
-from connectors.lmcache_mp import LMCacheMPConnector
-from connectors.transport import ZmqTransport
+from lmcache_loadback.connectors import wire
+from lmcache_loadback.testing.daemon import DaemonProcess, free_port
+from lmcache_loadback.connectors.errors import DaemonRejected, DaemonTimeout, DaemonUnavailable, SlotsError
+from lmcache_loadback.connectors.kv_layout import KVLayout
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.connectors.transport import ZmqTransport
 from tests.conftest import kv_of, make_pool, same_kv
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(180)]
@@ -70,7 +70,7 @@ def test_store_then_retrieve_into_other_slots_is_byte_exact(daemons, dtype, num_
 
 
 def test_shared_memory_mode_is_byte_exact_without_pickle(daemons, monkeypatch):
-    import connectors.lmcache_mp as mp
+    import lmcache_loadback.connectors.lmcache_mp as mp
 
     def refuse(*a, **k):
         raise AssertionError("shm mode must not unpickle")

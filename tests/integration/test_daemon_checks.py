@@ -18,9 +18,9 @@ import time
 import pytest
 import torch
 
-from connectors.daemon import DaemonProcess
-from connectors.lmcache_mp import LMCacheMPConnector
-from orchestrator import LoadBackOrchestrator
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.orchestrator import LoadBackOrchestrator
 from tests.conftest import CHUNK, make_pool
 from tests.integration.test_orchestrator_daemon import Harness, config_for, wait_for
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from connectors.daemon import DaemonProcess
-from connectors.errors import ConnectorError, DaemonTimeout, DaemonUnavailable
-from connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.connectors.errors import ConnectorError, DaemonTimeout, DaemonUnavailable
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from tests.conftest import CHUNK
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(120)]

@@ -10,11 +10,11 @@ import uuid
 import pytest
 import torch
 
-from connectors.daemon import DaemonProcess
-from connectors.errors import DaemonTimeout, ProtocolError, VersionSkew
-from connectors.fault_proxy import FaultProxy, FaultRule
-from connectors.lmcache_mp import LMCacheMPConnector
-from connectors.transport import ZmqTransport
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.connectors.errors import DaemonTimeout, ProtocolError, VersionSkew
+from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.connectors.transport import ZmqTransport
 from tests.conftest import CHUNK, kv_of, make_pool, same_kv
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(60)]

@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.daemon import DaemonProcess
-from connectors.fault_proxy import FaultProxy
-from connectors.lmcache_mp import LMCacheMPConnector
-from orchestrator import LoadBackConfig, LoadBackOrchestrator
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.testing.fault_proxy import FaultProxy
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.orchestrator import LoadBackConfig, LoadBackOrchestrator
 from tests.conftest import CHUNK, make_pool
 from tests.integration.test_orchestrator_daemon import wait_for
 

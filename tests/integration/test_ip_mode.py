@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.kv_layout import KVLayout
-from orchestrator import LoadBackConfig, PrefixState
-from orchestrator.factory import create_orchestrator
+from lmcache_loadback.connectors.kv_layout import KVLayout
+from lmcache_loadback.orchestrator import LoadBackConfig, PrefixState
+from lmcache_loadback.orchestrator.factory import create_orchestrator
 from tests.conftest import kv_of, make_pool, same_kv
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.daemon import DaemonProcess
-from connectors.errors import SlotsError
-from connectors.fault_proxy import FaultProxy, FaultRule
-from connectors.lmcache_mp import LMCacheMPConnector
-from orchestrator import LoadBackConfig, LoadBackOrchestrator, PrefixState
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.connectors.errors import SlotsError
+from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.orchestrator import LoadBackConfig, LoadBackOrchestrator, PrefixState
 from tests.conftest import CHUNK, make_pool
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(120)]

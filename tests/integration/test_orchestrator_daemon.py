@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from connectors.daemon import DaemonProcess
-from connectors.errors import ConnectorError, DaemonUnavailable
-from connectors.lmcache_mp import LMCacheMPConnector
-from orchestrator import (
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.connectors.errors import ConnectorError, DaemonUnavailable
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.orchestrator import (
     DegradeReason,
     LoadBackConfig,
     LoadBackOrchestrator,

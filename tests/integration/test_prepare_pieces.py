@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-from connectors.daemon import DaemonProcess
-from connectors.errors import DaemonTimeout, DaemonUnavailable
-from connectors.lmcache_mp import LMCacheMPConnector
-from orchestrator import DegradeReason, LoadBackConfig, LoadBackOrchestrator, PrefixState
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.connectors.errors import DaemonTimeout, DaemonUnavailable
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.orchestrator import DegradeReason, LoadBackConfig, LoadBackOrchestrator, PrefixState
 from tests.conftest import CHUNK, kv_of, make_pool, same_kv
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(120)]

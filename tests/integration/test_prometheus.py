@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from metrics import start_metrics_server
-from orchestrator.instruments import product_metrics
+from lmcache_loadback.metrics import start_metrics_server
+from lmcache_loadback.orchestrator.instruments import product_metrics
 import tests.prometheus_server as prometheus_server
 from tests.prometheus_server import PrometheusServer, PrometheusUnavailable, find_prometheus
 

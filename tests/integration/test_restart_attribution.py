@@ -26,10 +26,10 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from connectors.daemon import DaemonProcess
-from connectors.errors import DaemonUnavailable
-from connectors.lmcache_mp import LMCacheMPConnector
-from orchestrator import LoadBackConfig, LoadBackOrchestrator
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.connectors.errors import DaemonUnavailable
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.orchestrator import LoadBackConfig, LoadBackOrchestrator
 from tests.conftest import CHUNK, kv_of, make_pool, same_kv
 from tests.integration.test_orchestrator_daemon import wait_for
 

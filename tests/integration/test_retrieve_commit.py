@@ -13,11 +13,11 @@ import pytest
 import torch
 import zmq
 
-from connectors import wire
-from connectors.daemon import DaemonProcess, free_port
-from connectors.errors import DaemonTimeout
-from connectors.lmcache_mp import LMCacheMPConnector
-from connectors.safe_decode import dump_tensor_list
+from lmcache_loadback.connectors import wire
+from lmcache_loadback.testing.daemon import DaemonProcess, free_port
+from lmcache_loadback.connectors.errors import DaemonTimeout
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.connectors.safe_decode import dump_tensor_list
 from tests.conftest import CHUNK, kv_of, make_pool, same_kv
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(120)]

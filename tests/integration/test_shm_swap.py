@@ -18,11 +18,11 @@ import time
 import pytest
 import torch
 
-import connectors.lmcache_mp as mp
-from connectors.daemon import DaemonProcess
-from connectors.errors import ConnectorError, DaemonUnavailable
-from connectors.gpu_transfer import GpuTransfer
-from orchestrator import LoadBackConfig, LoadBackOrchestrator, PrefixState
+import lmcache_loadback.connectors.lmcache_mp as mp
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.connectors.errors import ConnectorError, DaemonUnavailable
+from lmcache_loadback.connectors.gpu_transfer import GpuTransfer
+from lmcache_loadback.orchestrator import LoadBackConfig, LoadBackOrchestrator, PrefixState
 from tests.conftest import CHUNK, kv_of, make_pool, same_kv
 from tests.stepping import Stepped
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from connectors.kv_layout import KVLayout
-from orchestrator import LoadBackConfig, PrefixState
-from orchestrator.factory import create_orchestrator
+from lmcache_loadback.connectors.kv_layout import KVLayout
+from lmcache_loadback.orchestrator import LoadBackConfig, PrefixState
+from lmcache_loadback.orchestrator.factory import create_orchestrator
 from tests.conftest import CHUNK, kv_of, make_pool, same_kv
 from tests.integration.test_orchestrator_daemon import wait_for
 
@@ -27,7 +27,7 @@ ENV = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
 
 def loadback(*argv: str) -> subprocess.CompletedProcess:
     """The real command, as an operator runs it."""
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *argv], cwd=ROOT, env=ENV,
+    return subprocess.run([sys.executable, "-m", "lmcache_loadback.orchestrator.cli", *argv], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=60)
 
 

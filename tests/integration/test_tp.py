@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from connectors.daemon import DaemonProcess, free_port, stop_process
+from lmcache_loadback.testing.daemon import DaemonProcess, free_port, stop_process
 from tests.ranks import run_ranks
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(300)]
@@ -55,11 +55,11 @@ def _settle(orch, status_url: str, limit_s: float = 15.0) -> dict:
 def _rank_main(rank: int, world: int, dist_port: int, endpoint: str, daemon_pid: int,
                status_url: str, transfer: str, out) -> None:
     try:
-        from connectors.fault_proxy import FaultProxy, FaultRule
-        from connectors.kv_layout import KVLayout
-        from connectors.lmcache_mp import LMCacheMPConnector
-        from orchestrator import LoadBackConfig, LoadBackOrchestrator
-        from orchestrator.states import DegradeReason
+        from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
+        from lmcache_loadback.connectors.kv_layout import KVLayout
+        from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+        from lmcache_loadback.orchestrator import LoadBackConfig, LoadBackOrchestrator
+        from lmcache_loadback.orchestrator.states import DegradeReason
         from tests.conftest import kv_of, make_pool, same_kv
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}",

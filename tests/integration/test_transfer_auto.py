@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-import connectors.lmcache_mp as mp
-from connectors.daemon import DaemonProcess
-from connectors.kv_layout import KVLayout
+import lmcache_loadback.connectors.lmcache_mp as mp
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.connectors.kv_layout import KVLayout
 
 from ..conftest import kv_of, make_pool, same_kv
 
@@ -45,7 +45,7 @@ def test_auto_follows_what_each_registration_offers(layout, caplog):
     conn = mp.LMCacheMPConnector(d.endpoint, layout)
     try:
         assert conn.transfer_setting == "auto"
-        with caplog.at_level(logging.INFO, logger="connectors.lmcache_mp"):
+        with caplog.at_level(logging.INFO, logger="lmcache_loadback.connectors.lmcache_mp"):
             conn.register(T)
             conn.register(T)  # same daemon, same choice: logged once
             assert conn.transfer == "shm"

@@ -12,10 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from connectors.daemon import DaemonProcess, free_port
-from orchestrator.config import LoadBackConfig
-from orchestrator.tools import tune
-from orchestrator.tools.bench.common import LOG_MININTERVAL_S, median, percentile
+from lmcache_loadback.testing.daemon import DaemonProcess, free_port
+from lmcache_loadback.orchestrator.config import LoadBackConfig
+from lmcache_loadback.harness import tune
+from lmcache_loadback.harness.bench.common import LOG_MININTERVAL_S, median, percentile
 
 pytestmark = [pytest.mark.timeout(240)]
 

@@ -10,9 +10,9 @@ import uuid
 import pytest
 import torch
 
-from connectors.daemon import DaemonProcess
-from connectors.errors import DaemonTimeout
-from connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.connectors.errors import DaemonTimeout
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from tests.conftest import CHUNK, make_pool
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(120)]
@@ -138,7 +138,7 @@ def test_finish_after_a_timed_out_retrieve_leaves_no_session_once_the_daemon_dra
         daemon, layout):
     """The orchestrator defers end_session until the abandoned prepare_retrieve (and lookup)
     of the request is proven served or dropped; then nothing re-creates the session."""
-    from orchestrator import DegradeReason, LoadBackConfig, LoadBackOrchestrator
+    from lmcache_loadback.orchestrator import DegradeReason, LoadBackConfig, LoadBackOrchestrator
 
     daemon.resume()
     cfg = LoadBackConfig.from_dict({

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from connectors.telemetry import QUIET_TELEMETRY
+from lmcache_loadback.connectors.telemetry import QUIET_TELEMETRY
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "orchestrator", "connectors",
-           "metrics", "configs")
+           "metrics", "engines", "harness", "testing", "configs")
+CFG = "lmcache_loadback/orchestrator/configs/"
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -53,34 +54,43 @@ def _loadback(installed, *args: str, timeout: float = 120) -> subprocess.Complet
     _, site, run_dir = installed
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=str(site), **QUIET_TELEMETRY)
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=run_dir,
+    return subprocess.run([sys.executable, "-m", "lmcache_loadback.orchestrator.cli", *args], cwd=run_dir,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_wheel_ships_the_configs_and_the_console_script(installed):
     wheel, site, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
-    for f in ("orchestrator/configs/example_config_mp.yaml", "orchestrator/configs/alerts.yaml",
-              "orchestrator/configs/grafana_dashboard.json", "orchestrator/configs/prometheus.yml",
-              "orchestrator/configs/chaos/00_baseline.yaml",
-              "orchestrator/configs/chaos/10_version_skew.yaml"):
-        assert f in names, f
-    shipped = {n.removeprefix("orchestrator/configs/") for n in names
-               if n.startswith("orchestrator/configs/")}
+    for f in ("example_config_mp.yaml", "alerts.yaml", "grafana_dashboard.json",
+              "prometheus.yml", "chaos/00_baseline.yaml", "chaos/10_version_skew.yaml"):
+        assert CFG + f in names, f
+    shipped = {n.removeprefix(CFG) for n in names if n.startswith(CFG)}
     in_repo = {str(p.relative_to(ROOT / "configs")) for p in (ROOT / "configs").rglob("*")
                if p.is_file() and "__pycache__" not in p.parts}
     assert shipped == in_repo  # one hand-edited copy: configs/ is what ships
-    assert not any(n.startswith(("tests/", ".venv")) for n in names)
+    # One import name, nothing generic at the top level, no tests.
+    tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
+    assert tops == {"lmcache_loadback"}, tops
+    assert not any("/tests/" in n or n.startswith(("tests/", ".venv")) for n in names)
+    for f in ("harness/sglang/model/config.json", "harness/sglang/stubs/vllm/_custom_ops.py",
+              "harness/sglang/probe/loadback_sched_probe.py", "harness/bench/results/gpu.json"):
+        assert "lmcache_loadback/" + f in names, f
     (eps,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-    assert "loadback = orchestrator.cli:main" in zipfile.ZipFile(wheel).read(eps).decode()
+    eps_text = zipfile.ZipFile(wheel).read(eps).decode()
+    assert "loadback = lmcache_loadback.orchestrator.cli:main" in eps_text
+    assert "loadback = lmcache_loadback.engines.sglang:register" in eps_text
 
 
 def test_product_runs_from_the_wheel_not_the_checkout(installed):
     _, site, _ = installed
     r = _loadback(installed, "diagram")
     assert r.returncode == 0 and r.stdout.startswith("stateDiagram-v2"), r.stderr
-    code = ("import orchestrator, connectors, metrics, orchestrator.resources as res; "
-            "print(orchestrator.__file__, connectors.__file__, metrics.__file__, res.configs_dir())")
+    code = ("import lmcache_loadback.orchestrator as o, lmcache_loadback.connectors as c, "
+            "lmcache_loadback.metrics as m, lmcache_loadback.engines.sglang as e, "
+            "lmcache_loadback.harness.sglang.server as s, "
+            "lmcache_loadback.orchestrator.resources as res; "
+            "print(o.__file__, c.__file__, m.__file__, e.__file__, s.TINY_MODEL_DIR, "
+            "res.configs_dir())")
     env = dict(os.environ, PYTHONPATH=str(site))
     out = subprocess.run([sys.executable, "-c", code], cwd=installed[2], env=env,
                          capture_output=True, text=True, timeout=60)
@@ -94,6 +104,8 @@ def test_version_is_the_wheels_metadata(installed):
     r = _loadback(installed, "--version")
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"loadback {wheel.name.split('-')[1]}\n"  # lmcache_loadback-V-...whl
+    r = _loadback(installed, "--help")
+    assert r.returncode == 0 and "chaos" in r.stdout and "sglang-demo" in r.stdout, r.stderr
 
 
 def test_configs_export_then_validate_from_any_directory(installed):
@@ -112,12 +124,12 @@ def test_configs_export_then_validate_from_any_directory(installed):
 
 @pytest.mark.daemon
 def test_chaos_run_from_the_wheel_finds_its_scenarios(installed):
-    r = _loadback(installed, "chaos", "run", "--scenario", "baseline", "--requests", "20",
+    r = _loadback(installed, "chaos", "run", "--scenario", "baseline", "--requests", "50",
                   "--json", "chaos.json", timeout=240)
     report = installed[2] / "chaos.json"
     assert report.is_file(), r.stdout[-2000:] + r.stderr[-2000:]  # it ran and judged
     (row,) = json.loads(report.read_text())["scenarios"]
-    assert row["name"] == "baseline" and row["requests"] == 20
+    assert row["name"] == "baseline" and row["requests"] == 50
     assert row["leaked"] == 0 and row["wrong_bytes"] == 0 and row["counters_ok"]
     # Deadline keeping is chaos's own subject (test_chaos_subset); on a loaded machine a call
     # may overshoot, and then the exit code says so.

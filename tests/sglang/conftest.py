@@ -2,9 +2,9 @@
 
 Run (each supported sglang has its own venv, built by the Makefile):
 
-    PYTHONPATH=tests/sglang/stubs HF_HUB_OFFLINE=1 \
+    PYTHONPATH=harness/sglang/stubs HF_HUB_OFFLINE=1 \
         .venv-sglang-0.5.20/bin/python -m pytest tests/sglang -m "not e2e" -q
-    PYTHONPATH=tests/sglang/stubs HF_HUB_OFFLINE=1 \
+    PYTHONPATH=harness/sglang/stubs HF_HUB_OFFLINE=1 \
         .venv-sglang-0.5.23/bin/python -m pytest tests/sglang -m "not e2e" -q
 
 What is real: SGLang's ReqToTokenPool, MHATokenToKVPool, (Paged)TokenToKVPoolAllocator,
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.telemetry import quiet_telemetry
+from lmcache_loadback.connectors.telemetry import quiet_telemetry
 
 quiet_telemetry()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,10 +35,10 @@ import sglang  # noqa: E402  (a missing sglang fails the run: never a silent ski
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
-from orchestrator.config import LoadBackConfig  # noqa: E402
+from lmcache_loadback.harness.sglang.server import TINY_MODEL_DIR as MODEL_DIR  # noqa: E402
+from lmcache_loadback.orchestrator.config import LoadBackConfig  # noqa: E402
 
 CHUNK = 16
-MODEL_DIR = Path(__file__).parent / "model"
 SGLANG_VERSION = sglang.__version__
 NEW_API = tuple(int(x) for x in SGLANG_VERSION.split(".")[:3]) >= (0, 5, 21)
 
@@ -333,7 +333,7 @@ def make_cache(request):
 
     def build(page_size: int, config: LoadBackConfig, *, slots: int = 1024, mla: bool = False,
               **kw):
-        from orchestrator.hook.radix_cache import LoadBackRadixCache
+        from lmcache_loadback.engines.sglang.radix_cache import LoadBackRadixCache
 
         cache = LoadBackRadixCache(make_params(page_size, slots, mla=mla), config=config, **kw)
         made.append(cache)

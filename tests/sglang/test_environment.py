@@ -45,7 +45,7 @@ def test_installed_versions_match_the_pins():
 
 def test_loadback_plugin_entry_point_is_registered():
     eps = {ep.name: ep.value for ep in metadata.entry_points(group="sglang.srt.plugins")}
-    assert eps.get("loadback") == "orchestrator.hook:register", (
+    assert eps.get("loadback") == "lmcache_loadback.engines.sglang:register", (
         f"entry point missing from this venv (reinstall the package: pip install --no-deps -e .): "
         f"{eps}")
 
@@ -55,6 +55,6 @@ def test_loadback_plugin_entry_point_is_registered():
                                           ("torchvision.transforms.functional", "resize")])
 def test_stubs_raise_when_called(module, name):
     mod = __import__(module, fromlist=[name])
-    assert "tests/sglang/stubs" in mod.__file__, f"{module} is not the test stub: {mod.__file__}"
+    assert "harness/sglang/stubs" in mod.__file__, f"{module} is not the test stub: {mod.__file__}"
     with pytest.raises(RuntimeError, match="test-only stub"):
         getattr(mod, name)()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.hook import compat
+from lmcache_loadback.engines.sglang import compat
 
 from .conftest import (
     CHUNK,
@@ -142,7 +142,7 @@ def test_sglang_load_plugins_registers_the_backend():
         "from sglang.srt.plugins import load_plugins\n"
         "from sglang.srt.mem_cache.registry import get_radix_cache_factory\n"
         "load_plugins()\n"
-        "import orchestrator.hook as h\n"
+        "import lmcache_loadback.engines.sglang as h\n"
         "assert get_radix_cache_factory('loadback') is h.build_cache, 'not registered'\n"
         "print('registered')\n")
     stubs = str(Path(__file__).parent / "stubs")  # run from / : no checkout on sys.path
@@ -153,8 +153,8 @@ def test_sglang_load_plugins_registers_the_backend():
 
 def test_import_orchestrator_without_sglang():
     code = ("import sys; sys.modules['sglang'] = None\n"
-            "import orchestrator, orchestrator.hook\n"
-            "print(orchestrator.hook.SUPPORTED_SGLANG)\n")
+            "import orchestrator, lmcache_loadback.engines.sglang\n"
+            "print(lmcache_loadback.engines.sglang.SUPPORTED_SGLANG)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -204,8 +204,8 @@ def build_context(config_file):
 
 
 def test_factory_builds_from_sglang_build_context(tmp_path, monkeypatch):
-    from orchestrator.hook import build_cache
-    from orchestrator.hook.radix_cache import LoadBackRadixCache
+    from lmcache_loadback.engines.sglang import build_cache
+    from lmcache_loadback.engines.sglang.radix_cache import LoadBackRadixCache
 
     with pytest.raises(ValueError, match="--lmcache-config-file"):
         build_cache(build_context(None))
@@ -234,7 +234,7 @@ def test_metrics_reach_sglang_multiprocess_collector(tmp_path):
     code = (
         "import sys; sys.path.insert(0, %r)\n"
         "from tests.sglang.conftest import make_params, make_config, Sched, fresh_ids\n"
-        "from orchestrator.hook.radix_cache import LoadBackRadixCache\n"
+        "from lmcache_loadback.engines.sglang.radix_cache import LoadBackRadixCache\n"
         "cache = LoadBackRadixCache(make_params(16), config=make_config(1))\n"
         "s = Sched(cache)\n"
         "r = s.new_req('m', fresh_ids(64))\n"
@@ -257,7 +257,7 @@ def test_lookup_answered_after_its_deadline_stays_a_miss():
     once its answer arrives; the worker releases that late answer (abort)."""
     import threading
 
-    from orchestrator.hook.promises import Lookup, LookupWorker, Promise
+    from lmcache_loadback.engines.sglang.promises import Lookup, LookupWorker, Promise
 
     asked, answer = threading.Event(), threading.Event()
     aborted = []

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from connectors.daemon import DaemonProcess, free_port
+from lmcache_loadback.testing.daemon import DaemonProcess, free_port
 
 from .conftest import (
     CHUNK,
@@ -191,7 +191,7 @@ def test_unanswered_calls_over_many_cycles_conserve_the_pool(live_daemon, make_c
     """Cycles of store / flush / hit, every other one with the daemon never answering one
     `op` (the fault proxy swallows it): the pool is conserved after every cycle, and the
     healthy cycles keep loading back byte-exact."""
-    from connectors.fault_proxy import FaultProxy, FaultRule
+    from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
 
     proxy = FaultProxy(live_daemon.endpoint).start()
     try:

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connectors.errors import UnsupportedKVPool
+from lmcache_loadback.connectors.errors import UnsupportedKVPool
 
 from .conftest import (
     CHUNK,
@@ -143,7 +143,7 @@ def _mla_rank(rank: int, dist_port: int, daemon_port: int, daemon_pid: int, log_
 
         from tests.sglang.conftest import Sched, load_outcome, make_config, make_params
 
-        from orchestrator.hook.radix_cache import LoadBackRadixCache
+        from lmcache_loadback.engines.sglang.radix_cache import LoadBackRadixCache
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}",
                                 rank=rank, world_size=2)
@@ -194,7 +194,7 @@ def _mla_rank(rank: int, dist_port: int, daemon_port: int, daemon_pid: int, log_
 @pytest.mark.daemon
 @pytest.mark.timeout(300)
 def test_mla_tp2_one_writer_every_rank_reads(daemon):
-    from connectors.daemon import free_port
+    from lmcache_loadback.testing.daemon import free_port
     from tests.ranks import run_ranks
 
     daemon.resume()
@@ -249,8 +249,8 @@ def _one_line(exc: pytest.ExceptionInfo, *parts: str) -> None:
 
 
 def test_hybrid_swa_pool_refused_at_start(tmp_path):
-    from orchestrator.hook import build_cache
-    from orchestrator.hook.radix_cache import LoadBackRadixCache
+    from lmcache_loadback.engines.sglang import build_cache
+    from lmcache_loadback.engines.sglang.radix_cache import LoadBackRadixCache
 
     params = make_params(16, kv=_swa_pool())
     with pytest.raises(UnsupportedKVPool) as exc:
@@ -262,8 +262,8 @@ def test_hybrid_swa_pool_refused_at_start(tmp_path):
 
 
 def test_hybrid_ssm_and_dsa_refused_at_start():
-    from orchestrator.hook import build_cache
-    from orchestrator.hook.pools import pool_kind
+    from lmcache_loadback.engines.sglang import build_cache
+    from lmcache_loadback.engines.sglang.pools import pool_kind
 
     with pytest.raises(UnsupportedKVPool) as exc:
         build_cache(_build_context(make_params(16), is_hybrid_ssm=True))
@@ -281,7 +281,7 @@ def test_hybrid_ssm_and_dsa_refused_at_start():
 def test_unknown_pool_refused_at_start(cls):
     from sglang.srt.mem_cache import memory_pool
 
-    from orchestrator.hook.radix_cache import LoadBackRadixCache
+    from lmcache_loadback.engines.sglang.radix_cache import LoadBackRadixCache
 
     make_params(16)  # publishes the server args the pools read
     kv = getattr(memory_pool, cls)(256, page_size=16, dtype=torch.float16, head_num=2,
@@ -297,8 +297,8 @@ def test_unknown_pool_refused_at_start(cls):
 def test_mla_pool_on_cuda_refused_at_construction():
     """The GPU data path moves K/V pools only: an MLA pool on CUDA is refused at once (the
     check runs before any CUDA call, so it is tested on CPU hosts too)."""
-    from connectors.kv_layout import KVLayout
-    from connectors.lmcache_mp import LMCacheMPConnector
+    from lmcache_loadback.connectors.kv_layout import KVLayout
+    from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 
     layout = KVLayout(2, 1, 80, torch.bfloat16, CHUNK, mla=True)
     with pytest.raises(UnsupportedKVPool, match="MLA KV pool on CUDA") as exc:
@@ -308,7 +308,7 @@ def test_mla_pool_on_cuda_refused_at_construction():
 
 def test_mla_build_context_builds(tmp_path):
     """SGLang's factory path with an MLA pool: built, its connector registers use_mla."""
-    from orchestrator.hook import build_cache
+    from lmcache_loadback.engines.sglang import build_cache
 
     cfg = tmp_path / "loadback.yaml"
     cfg.write_text("mp_host: 127.0.0.1\nmp_port: 1\nchunk_size: 16\n")

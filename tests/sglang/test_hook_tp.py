@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 import torch.distributed as dist
 
-from connectors.daemon import free_port, stop_process
+from lmcache_loadback.testing.daemon import free_port, stop_process
 from tests.ranks import run_ranks
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -38,7 +38,7 @@ def _rank_main(rank: int, dist_port: int, daemon_port: int, daemon_pid: int,
     try:
         from tests.sglang.conftest import Sched, load_outcome, make_config, make_params
 
-        from orchestrator.hook.radix_cache import LoadBackRadixCache
+        from lmcache_loadback.engines.sglang.radix_cache import LoadBackRadixCache
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}",
                                 rank=rank, world_size=2)

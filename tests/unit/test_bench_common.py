@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from orchestrator.tools.bench.common import fmt, median, percentile
+from lmcache_loadback.harness.bench.common import fmt, median, percentile
 
 
 def test_percentiles_interpolate_between_closest_ranks():

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from orchestrator.tools.bench import core
+from lmcache_loadback.harness.bench import core
 
 MET = {"p2_overhead_ratio": 0.4, "p4_breaker_open_ratio": 0.02, "p5_scale_ratio": 1.0,
        "p3_match_p99_over_deadline_ms": 1.0, "p3_load_back_p99_over_deadline_ms": 1.0,
@@ -50,8 +50,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from orchestrator.cli import main  # noqa: E402
-from orchestrator.tools.bench import gpu  # noqa: E402
+from lmcache_loadback.orchestrator.cli import main  # noqa: E402
+from lmcache_loadback.harness.bench import gpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MET_GPU = {"p7_ratio": 0.95, "p7_ratio_1k": 0.8, "p7_vs_lmcache": 1.5}
@@ -75,7 +75,7 @@ def test_bench_gpu_without_cuda_exits_69_with_one_line(monkeypatch, capsys):
 
 def test_bench_gpu_console_exit_code_on_a_host_without_cuda():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "bench", "gpu"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "lmcache_loadback.orchestrator.cli", "bench", "gpu"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 69, r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == [gpu.NO_CUDA]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
+from lmcache_loadback.orchestrator.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def test_usage_errors_exit_64_not_the_invalid_config_code(capsys, argv):
 
 
 def test_usage_error_exits_64_from_the_console_entry(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "config", "validate"],
+    r = subprocess.run([sys.executable, "-m", "lmcache_loadback.orchestrator.cli", "config", "validate"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 64 and "the following arguments are required: file" in r.stderr
 
@@ -73,7 +73,7 @@ import re  # noqa: E402
 
 import yaml  # noqa: E402
 
-from orchestrator import cli  # noqa: E402
+from lmcache_loadback.orchestrator import cli  # noqa: E402
 
 ENV = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
 
@@ -108,7 +108,7 @@ def test_top_help_is_whole_sentences_and_shows_every_exit_code(capsys):
     assert desc.endswith(".") and len(desc.split()) > 12  # not cut mid-sentence any more
     assert desc in " ".join(out.split())
     assert "exit codes:" in out
-    from orchestrator import exit_codes
+    from lmcache_loadback.orchestrator import exit_codes
 
     codes = {v for k, v in vars(exit_codes).items() if k.startswith("EXIT_")}
     assert codes == {0, 1, 2, 3, 64, 69}
@@ -151,7 +151,7 @@ def test_bad_values_exit_64_before_running_anything(capsys, argv):
 
 
 def test_version_is_the_installed_distributions():
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--version"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "lmcache_loadback.orchestrator.cli", "--version"], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"loadback {importlib.metadata.version('lmcache-loadback')}\n"
@@ -159,13 +159,13 @@ def test_version_is_the_installed_distributions():
 
 LIGHT = """
 import sys
-from orchestrator.cli import main
+from lmcache_loadback.orchestrator.cli import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as exc:
     code = exc.code
-heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "sglang",
-               "orchestrator.tools", "orchestrator.core", "lmcache")))
+heavy = sorted(m for m in sys.modules if m in ("torch", "lmcache") or m.startswith((
+    "torch.", "sglang", "lmcache.", "lmcache_loadback.harness", "lmcache_loadback.orchestrator.core")))
 print("HEAVY", heavy, file=sys.stderr)
 sys.exit(code if not heavy else 99)
 """

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import ConfigError, LoadBackConfig
+from lmcache_loadback.orchestrator.config import ConfigError, LoadBackConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,7 +73,7 @@ def test_config_is_frozen():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args],
+    return subprocess.run([sys.executable, "-m", "lmcache_loadback.orchestrator.cli", *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
 
 
@@ -203,7 +203,7 @@ def test_aliases_and_merge_keys_still_load(tmp_path):
 
 
 def test_sglang_opt_in_is_read_from_the_yaml(tmp_path, monkeypatch):
-    from orchestrator.hook import compat
+    from lmcache_loadback.engines.sglang import compat
 
     monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)
     f = tmp_path / "cfg.yaml"

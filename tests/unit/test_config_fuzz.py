@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
-from orchestrator.config import ConfigError, LoadBackConfig
+from lmcache_loadback.orchestrator.cli import main
+from lmcache_loadback.orchestrator.config import ConfigError, LoadBackConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = [(ROOT / "configs" / n).read_bytes() for n in

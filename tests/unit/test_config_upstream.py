@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import upstream
-from orchestrator.cli import main
-from orchestrator.config import ConfigError, LoadBackConfig
+from lmcache_loadback.orchestrator import upstream
+from lmcache_loadback.orchestrator.cli import main
+from lmcache_loadback.orchestrator.config import ConfigError, LoadBackConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 UPSTREAM = ROOT / "configs" / "example_config_upstream.yaml"

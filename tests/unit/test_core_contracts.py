@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from connectors.base import Connector
-from connectors.errors import (
+from lmcache_loadback.connectors.base import Connector
+from lmcache_loadback.connectors.errors import (
     ConnectorError,
     DaemonRejected,
     DaemonTimeout,
@@ -17,12 +17,12 @@ from connectors.errors import (
     ProtocolError,
     ShortRead,
 )
-from connectors.memory import InMemoryConnector, LeaseViolation
-from orchestrator import DegradeReason, LoadBackConfig, PrefixState
-from orchestrator.failures import FAILURES, LookupUnsettled, classify
-from orchestrator.leases import Lease, RequestKey
-from orchestrator.policies import retry_safe, run_with_retries
-from orchestrator.tools.bench.core import NullConnector
+from lmcache_loadback.testing.memory import InMemoryConnector, LeaseViolation
+from lmcache_loadback.orchestrator import DegradeReason, LoadBackConfig, PrefixState
+from lmcache_loadback.orchestrator.failures import FAILURES, LookupUnsettled, classify
+from lmcache_loadback.orchestrator.leases import Lease, RequestKey
+from lmcache_loadback.orchestrator.policies import retry_safe, run_with_retries
+from lmcache_loadback.harness.bench.core import NullConnector
 from tests.conftest import kv_of, same_kv
 from tests.unit.test_orchestrator_unit import FakeClock, make, snap, store
 

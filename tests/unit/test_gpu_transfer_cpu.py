@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connectors.gpu_transfer import GpuTransfer, GpuTransferError, _cuda_call, _pieces
-from connectors.kv_layout import KVLayout, KVPool, gather_chunks, scatter_skipping
-from connectors.lmcache_mp import _ShmPool
-from connectors import wire
+from lmcache_loadback.connectors.gpu_transfer import GpuTransfer, GpuTransferError, _cuda_call, _pieces
+from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool, gather_chunks, scatter_skipping
+from lmcache_loadback.connectors.lmcache_mp import _ShmPool
+from lmcache_loadback.connectors import wire
 from tests.stepping import Stepped
 
 LAYOUT = KVLayout(num_layers=3, num_heads=2, head_dim=8, dtype=torch.bfloat16, chunk_size=16)
@@ -68,7 +68,7 @@ def test_segment_load_lands_every_row_in_its_slot(pieces, skip, back_to_back):
 
 @pytest.mark.parametrize("skip", [0, 11])
 def test_pickle_load_goes_through_staging_byte_exact(skip, monkeypatch):
-    import connectors.gpu_transfer as gt_mod
+    import lmcache_loadback.connectors.gpu_transfer as gt_mod
     monkeypatch.setattr(gt_mod, "PICKLE_PIECE_BYTES", LAYOUT.chunk_bytes * 2)  # 3 pieces of 2
     chunks = [torch.randn(LAYOUT.chunk_shape).to(LAYOUT.dtype) for _ in range(6)]
     slots = torch.randperm(512)[:6 * 16 - skip]
@@ -148,7 +148,7 @@ def test_cuda_errors_become_a_degrade_with_a_reason():
     with pytest.raises(GpuTransferError) as ei:
         _cuda_call("copy_failed", boom)
     assert ei.value.reason == "copy_failed" and "illegal memory access" in str(ei.value)
-    from connectors.errors import ConnectorError
+    from lmcache_loadback.connectors.errors import ConnectorError
     assert isinstance(ei.value, ConnectorError)
 
 
@@ -193,8 +193,8 @@ def test_mmap_close_needs_the_memoryview_export():
 def test_pickle_message_over_the_wire_limit_is_refused_before_sending(monkeypatch):
     """msgpack cannot carry 4 GiB: a raw EncodeError (or a reply that never comes) would
     reach the engine; a typed error naming the fix is raised before any call instead."""
-    import connectors.lmcache_mp as mp
-    from connectors.errors import ProtocolError
+    import lmcache_loadback.connectors.lmcache_mp as mp
+    from lmcache_loadback.connectors.errors import ProtocolError
 
     monkeypatch.setattr(mp, "PICKLE_MAX_BYTES", 3 * LAYOUT.chunk_bytes)
     conn = mp.LMCacheMPConnector("tcp://127.0.0.1:9", LAYOUT, transfer="pickle")
@@ -220,7 +220,7 @@ def test_pickle_message_over_the_wire_limit_is_refused_before_sending(monkeypatc
 def test_a_segment_replaced_mid_load_stays_registered_until_the_copy_ran(monkeypatch):
     """A load counts on its segment from before its first copy, not only once it finished:
     a re-registration in between retires the segment but must not unregister it."""
-    import connectors.gpu_transfer as gt_mod
+    import lmcache_loadback.connectors.gpu_transfer as gt_mod
     unregistered = []
     monkeypatch.setattr(gt_mod.torch.cuda, "cudart", lambda: SimpleNamespace(
         cudaHostUnregister=lambda ptr: unregistered.append(ptr) or 0))
@@ -260,7 +260,7 @@ def test_store_chunks_stay_intact_while_a_pickle_load_uses_staging():
 def test_a_store_never_takes_the_staging_a_queued_load_still_reads(monkeypatch):
     """A pickle load staged its chunks and is about to copy them: a store in between must
     take another buffer, not overwrite the staged bytes."""
-    import connectors.gpu_transfer as gt_mod
+    import lmcache_loadback.connectors.gpu_transfer as gt_mod
     gt = GpuTransfer("cpu", pieces=1)
     chunks = [torch.randn(LAYOUT.chunk_shape).to(LAYOUT.dtype) for _ in range(2)]
     pool, slots = _pool(), torch.randperm(512)[:2 * 16]
@@ -277,7 +277,7 @@ def test_staging_is_handed_out_again_only_after_the_copy_that_used_it():
     """Given back with its copy's event, a buffer is written by the next owner only once
     that event completed; with every buffer owned, a taker waits (bounded), then fails
     typed."""
-    from connectors.gpu_transfer import _PinnedRing
+    from lmcache_loadback.connectors.gpu_transfer import _PinnedRing
     ring = _PinnedRing(size=1)
     i, buf = ring.take(8, pin=False)
     ev = _Ev()

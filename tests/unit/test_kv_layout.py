@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.errors import ProtocolError, SlotsError
-from connectors.kv_layout import KVLayout, check_slots, gather_chunks, scatter_chunks
+from lmcache_loadback.connectors.errors import ProtocolError, SlotsError
+from lmcache_loadback.connectors.kv_layout import KVLayout, check_slots, gather_chunks, scatter_chunks
 
 HEADS, HEAD_DIM, POOL = 2, 32, 4096
 
@@ -125,7 +125,7 @@ def test_token_major_views_round_trip():
 @pytest.mark.parametrize("contiguous", [False, True])
 def test_every_path_is_exact(monkeypatch, op_bytes, contiguous):
     """Per-chunk ops, grouped scratch and one whole-range group must all give the same bytes."""
-    import connectors.kv_layout as kvl
+    import lmcache_loadback.connectors.kv_layout as kvl
 
     monkeypatch.setattr(kvl, "_OP_BYTES", op_bytes)
     layout = KVLayout(3, HEADS, HEAD_DIM, torch.bfloat16, 16)
@@ -341,7 +341,7 @@ def test_mla_round_trip_between_latent_pools(chunk_size, contiguous):
 @pytest.mark.parametrize("op_bytes", [1, 64 << 10, 1 << 30])
 def test_mla_every_path_is_exact(monkeypatch, op_bytes):
     """Per-chunk, grouped scratch, token-major views and shared out buffers, for MLA."""
-    import connectors.kv_layout as kvl
+    import lmcache_loadback.connectors.kv_layout as kvl
 
     monkeypatch.setattr(kvl, "_OP_BYTES", op_bytes)
     layout = mla_layout(2, 16)
@@ -360,7 +360,7 @@ def test_mla_every_path_is_exact(monkeypatch, op_bytes):
 
 
 def test_mla_scatter_skipping_and_refusals():
-    from connectors.kv_layout import KVPool, scatter_skipping
+    from lmcache_loadback.connectors.kv_layout import KVPool, scatter_skipping
 
     layout = mla_layout(2, 16)
     a, b = latent_pool(layout, seed=1), latent_pool(layout, seed=2)

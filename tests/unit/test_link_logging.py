@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from connectors.errors import DaemonTimeout, DaemonUnavailable, VersionSkew
-from orchestrator.link import STATE_LOG_INTERVAL_S
+from lmcache_loadback.connectors.errors import DaemonTimeout, DaemonUnavailable, VersionSkew
+from lmcache_loadback.orchestrator.link import STATE_LOG_INTERVAL_S
 from tests.unit.test_orchestrator_unit import make
 
 
@@ -122,7 +122,7 @@ def test_a_refused_daemon_is_asked_again_only_every_recheck_interval_and_logged_
     """Behind a proxy a daemon's restart may not change the connection's epoch: a refused
     daemon is asked its chunk size again every REFUSED_RECHECK_S (one ERROR for the same
     refusal), and accepted once it answers the config's size."""
-    from orchestrator.link import REFUSED_RECHECK_S
+    from lmcache_loadback.orchestrator.link import REFUSED_RECHECK_S
 
     orch, conn, _, clock = make()
     caplog.set_level(logging.DEBUG, logger="loadback")

@@ -13,12 +13,12 @@ import threading
 
 import torch
 
-from connectors.kv_layout import KVLayout
-from connectors.memory import InMemoryConnector
-from orchestrator import LoadBackConfig
-from orchestrator.instruments import product_metrics
-from orchestrator.link import Debt, DaemonLink
-from orchestrator.policies import CircuitBreaker
+from lmcache_loadback.connectors.kv_layout import KVLayout
+from lmcache_loadback.testing.memory import InMemoryConnector
+from lmcache_loadback.orchestrator import LoadBackConfig
+from lmcache_loadback.orchestrator.instruments import product_metrics
+from lmcache_loadback.orchestrator.link import Debt, DaemonLink
+from lmcache_loadback.orchestrator.policies import CircuitBreaker
 
 
 def _link(*, background: bool = False, interval_ms: float = 1000.0) -> DaemonLink:

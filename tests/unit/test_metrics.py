@@ -19,9 +19,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from metrics import LoadbackMetrics, MetricsServerBindError, UnknownLabelError, start_metrics_server
-from metrics.instruments import DURATION_BUCKETS
-from orchestrator.instruments import label_sets, product_metrics
+from lmcache_loadback.metrics import LoadbackMetrics, MetricsServerBindError, UnknownLabelError, start_metrics_server
+from lmcache_loadback.metrics.instruments import DURATION_BUCKETS
+from lmcache_loadback.orchestrator.instruments import label_sets, product_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 # The label sets production uses, from the one function the orchestrator builds its metrics with.
@@ -90,7 +90,7 @@ def test_fresh_instance_exposes_every_child_at_zero():
 
 
 def test_label_sets_come_from_the_state_table_and_enums():
-    from orchestrator.states import DegradeReason, PrefixState, transition_pairs
+    from lmcache_loadback.orchestrator.states import DegradeReason, PrefixState, transition_pairs
 
     assert set(STATES) == {s.value for s in PrefixState}
     assert set(REASONS) == {r.value for r in DegradeReason}
@@ -103,9 +103,9 @@ def test_label_sets_come_from_the_state_table_and_enums():
 def test_orchestrator_default_metrics_are_the_product_label_sets():
     import torch
 
-    from connectors.kv_layout import KVLayout
-    from connectors.memory import InMemoryConnector
-    from orchestrator import LoadBackConfig, LoadBackOrchestrator
+    from lmcache_loadback.connectors.kv_layout import KVLayout
+    from lmcache_loadback.testing.memory import InMemoryConnector
+    from lmcache_loadback.orchestrator import LoadBackConfig, LoadBackOrchestrator
 
     layout = KVLayout(num_layers=1, num_heads=2, head_dim=8, dtype=torch.float16, chunk_size=16)
     orch = LoadBackOrchestrator(LoadBackConfig.from_dict({"chunk_size": 16}), InMemoryConnector(layout),
@@ -383,8 +383,8 @@ def test_an_address_this_host_lacks_names_the_fix():
 
 MP_WORKER = textwrap.dedent("""
     import json, sys, urllib.request
-    from metrics import start_metrics_server
-    from orchestrator.instruments import product_metrics
+    from lmcache_loadback.metrics import start_metrics_server
+    from lmcache_loadback.orchestrator.instruments import product_metrics
     role = sys.argv[1]
     m = product_metrics()
     assert m.multiprocess

@@ -8,18 +8,18 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from connectors.errors import DaemonTimeout, DaemonUnavailable, ProtocolError
-from connectors.kv_layout import KVLayout
-from connectors.memory import InMemoryConnector
-from orchestrator import (
+from lmcache_loadback.connectors.errors import DaemonTimeout, DaemonUnavailable, ProtocolError
+from lmcache_loadback.connectors.kv_layout import KVLayout
+from lmcache_loadback.testing.memory import InMemoryConnector
+from lmcache_loadback.orchestrator import (
     DegradeReason,
     LoadBackConfig,
     LoadBackOrchestrator,
     MatchResult,
     PrefixState,
 )
-from orchestrator.policies import BreakerState, CircuitBreaker
-from orchestrator.states import (
+from lmcache_loadback.orchestrator.policies import BreakerState, CircuitBreaker
+from lmcache_loadback.orchestrator.states import (
     MACHINE,
     TRANSITIONS,
     MachineError,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from orchestrator.tools.workload import Engine, _thread_sched
+from lmcache_loadback.harness.workload import Engine, _thread_sched
 
 pytestmark = pytest.mark.skipif(_thread_sched() == (0, 0), reason="needs /proc schedstat (Linux)")
 

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from connectors.kv_layout import KVLayout
-from connectors.memory import InMemoryConnector
-from orchestrator import LoadBackConfig, LoadBackOrchestrator
-from orchestrator.reload import ConfigReloader, ConfigWatcher
+from lmcache_loadback.connectors.kv_layout import KVLayout
+from lmcache_loadback.testing.memory import InMemoryConnector
+from lmcache_loadback.orchestrator import LoadBackConfig, LoadBackOrchestrator
+from lmcache_loadback.orchestrator.reload import ConfigReloader, ConfigWatcher
 from tests.conftest import make_pool
 
 

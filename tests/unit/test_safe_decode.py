@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connectors.errors import ProtocolError
-from connectors.safe_decode import dump_tensor_list, load_tensor_list
+from lmcache_loadback.connectors.errors import ProtocolError
+from lmcache_loadback.connectors.safe_decode import dump_tensor_list, load_tensor_list
 
 SHAPE = (2, 2, 16, 64)
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from metrics import start_metrics_server
-from orchestrator import status
-from orchestrator.cli import DEFAULT_STATUS_URL, main
-from orchestrator.config import LoadBackConfig
-from orchestrator.exit_codes import EXIT_UNAVAILABLE
-from orchestrator.instruments import product_metrics
+from lmcache_loadback.metrics import start_metrics_server
+from lmcache_loadback.orchestrator import status
+from lmcache_loadback.orchestrator.cli import DEFAULT_STATUS_URL, main
+from lmcache_loadback.orchestrator.config import LoadBackConfig
+from lmcache_loadback.orchestrator.exit_codes import EXIT_UNAVAILABLE
+from lmcache_loadback.orchestrator.instruments import product_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 URL = "http://127.0.0.1:1/metrics"  # nothing listens on port 1
@@ -134,10 +134,10 @@ def test_default_url_is_metrics_port_default():
 
 LIGHT = """
 import sys
-from orchestrator.cli import main
+from lmcache_loadback.orchestrator.cli import main
 code = main(sys.argv[1:])
-heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "sglang",
-               "orchestrator.tools", "orchestrator.core", "lmcache")))
+heavy = sorted(m for m in sys.modules if m in ("torch", "lmcache") or m.startswith((
+    "torch.", "sglang", "lmcache.", "lmcache_loadback.harness", "lmcache_loadback.orchestrator.core")))
 print("HEAVY", heavy, file=sys.stderr)
 sys.exit(code if not heavy else 99)
 """

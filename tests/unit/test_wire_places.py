@@ -7,7 +7,7 @@ import importlib
 import inspect
 import pkgutil
 
-from connectors import wire
+from lmcache_loadback.connectors import wire
 
 
 def lmcache_places() -> dict[str, str]:

@@ -6,7 +6,7 @@ Run by `make test` in .venv-sglang-0.5.23 only. One server per scenario group (a
 14-60 s here, a stop ~7 s); servers, daemons and proxies are stopped by what started them.
 Measured figures go to stdout (`-s`) and, when LOADBACK_E2E_REPORT names a file, as JSON lines.
 LOADBACK_E2E_PROBE=1 is a measurement mode, off by default: the same backends are built through
-the test-only probe plugin (tests/sglang/probe) that times the scheduler thread inside them.
+the test-only probe plugin (harness/sglang/probe) that times the scheduler thread inside them.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import pytest
 
 import sglang  # a missing sglang fails the run: never a silent skip
 
-from connectors.daemon import DaemonProcess, free_port
-from connectors.fault_proxy import FaultProxy
-from orchestrator.tools.sglang_server import (PROBE_DIR, SGLangServer, write_loadback_yaml,
+from lmcache_loadback.testing.daemon import DaemonProcess, free_port
+from lmcache_loadback.testing.fault_proxy import FaultProxy
+from lmcache_loadback.harness.sglang.server import (PROBE_DIR, SGLangServer, write_loadback_yaml,
                                               write_upstream_yaml)
 
 from .helpers import CHUNK, Stack

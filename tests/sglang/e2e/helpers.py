@@ -11,9 +11,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connectors.daemon import DaemonProcess
-from connectors.fault_proxy import FaultProxy, FaultRule
-from orchestrator.tools.sglang_server import Generation, SGLangServer
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
+from lmcache_loadback.harness.sglang.server import Generation, SGLangServer
 
 CHUNK = 16
 PROMPT_LEN = 160  # 10 whole chunks

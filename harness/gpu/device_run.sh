@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On the GPU host, from the repository root: install the carried wheels (.whl/), rebuild
+# lmcache.cuda_ops from the carried 0.5.6 sources (.lmsrc/csrc), run the GPU tests, then
+# `loadback bench gpu`. Logs and gpu.json go to $OUT. Steps: STEPS="tests bench" (default).
+set -uo pipefail
+OUT=${OUT:-/tmp/loadback-gpu-out}
+mkdir -p "$OUT"
+export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 LMCACHE_LOG_LEVEL=WARNING
+STEPS=${STEPS:-tests bench}
+t() { date +%s; }
+T0=$(t)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
+# The checkout's folders under their installed import name (setup.py maps each folder to
+# lmcache_loadback.<folder>), without building the product's own wheel here.
+mkdir -p /tmp/site/lmcache_loadback
+for d in orchestrator connectors metrics engines harness testing; do
+    ln -sfn "$PWD/$d" "/tmp/site/lmcache_loadback/$d"
+done
+export PYTHONPATH=/tmp/site:$PWD
+echo "[$(( $(t) - T0 )) s] wheels installed"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])'
+python3 -m lmcache_loadback.harness.gpu.build_cuda_ops .lmsrc/csrc /tmp/site > "$OUT/build.log" 2>&1
+echo "[$(( $(t) - T0 )) s] cuda_ops: $(tail -1 "$OUT/build.log")"
+if [[ " $STEPS " == *" tests "* ]]; then
+    timeout 240 python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" \
+        > "$OUT/gpu_tests.log" 2>&1
+    rc=$?
+    echo "[$(( $(t) - T0 )) s] gpu tests rc=$rc: $(tail -1 "$OUT/gpu_tests.log")"
+fi
+if [[ " $STEPS " == *" bench "* ]]; then
+    python3 -m lmcache_loadback.orchestrator.cli bench gpu --json "$OUT/gpu.json" ${BENCH_ARGS:-} 2>&1 \
+        | tee "$OUT/bench.log"
+    echo "[$(( $(t) - T0 )) s] bench done"
+fi

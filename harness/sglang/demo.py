@@ -1,0 +1,279 @@
+"""`loadback sglang-demo` (`make demo`): a real SGLang 0.5.23 server with this product's
+backend beside upstream's LMCache class, under the same traffic, with the daemon SIGKILLed and
+restarted midway.
+
+For each side, in turn (one at a time: two servers on two cores would measure each other):
+a real lmcache 0.5.6 daemon on a free loopback port; `python -m sglang.launch_server` on CPU
+(tiny llama config, dummy weights) with `--enable-lmcache` and, for ours,
+`--radix-cache-backend loadback`; open-loop traffic (a request every `--interval-ms`, each
+capped by `--deadline-s`) cycling through a pool of prompts larger than the device KV pool, so
+every revisit is evicted from the device tree and can only hit in LMCache. The daemon is killed
+at 35% of the traffic window and a new one started on the same port at 55%. Then a table side
+by side and, with `--json FILE`, `{"ours": {...}, "upstream": {...}}`.
+
+Bounded: each side takes its server start (15-60 s), `--duration-s` of traffic plus at most
+one deadline, and a stop (~7 s). Everything it starts it stops (server by process group,
+daemon by PID).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lmcache_loadback.testing.daemon import DaemonProcess
+
+from lmcache_loadback.harness.bench.common import median, percentile
+from lmcache_loadback.orchestrator.cli import SGLANG_DEMO_SIDES as SIDES
+from lmcache_loadback.orchestrator.exit_codes import EXIT_UNAVAILABLE, EXIT_USAGE
+from .server import (PROBE_DIR, STUBS_DIR, Generation, SGLangServer,
+                            write_loadback_yaml, write_upstream_yaml)
+
+CHUNK = 16
+PROMPT_LEN = 160
+NEW_TOKENS = 8
+MAX_TOTAL_TOKENS = 1024  # the device KV pool: 6 prompts fit, the pool below does not
+POOL = 8
+KILL_AT, RESTART_AT = 0.35, 0.55
+
+
+def _prompt(i: int) -> list[int]:
+    rng = random.Random(7919 * (i + 1))
+    return [rng.randrange(3, 1000) for _ in range(PROMPT_LEN)]
+
+
+def _loaded(gen: Generation) -> int:
+    """Tokens SGLang reports loaded from LMCache (storage; host when a backend reports the
+    load-back as host: no host tier runs here)."""
+    d = gen.meta.get("cached_tokens_details") or {}
+    return int(d.get("storage", 0) or 0) + int(d.get("host", 0) or 0)
+
+
+@dataclass
+class Sent:
+    n: int
+    prompt_id: int
+    sent_s: float
+    gen: Generation | None = None
+    done_s: float | None = None
+
+
+@dataclass
+class SideResult:
+    side: str
+    start_s: float = 0.0
+    kill_s: float | None = None
+    restart_s: float | None = None
+    sent: list[Sent] = field(default_factory=list)
+    error: str | None = None
+    probe_file: Path | None = None
+
+    def summary(self) -> dict:
+        done = [s for s in self.sent if s.gen is not None]
+        ok = [s for s in done if s.gen.ok]
+        lat = [s.gen.latency_s for s in done]
+        restart = self.restart_s if self.restart_s is not None else float("inf")
+        kill = self.kill_s if self.kill_s is not None else float("inf")
+        hits_before = sum(1 for s in ok if s.sent_s < kill and _loaded(s.gen) > 0)
+        after = [s for s in ok if s.sent_s >= restart and _loaded(s.gen) > 0]
+        recovery = min((s.done_s for s in after), default=None)
+        first_output: dict[int, list[int]] = {}
+        identical = True
+        for s in sorted(ok, key=lambda s: s.n):
+            ref = first_output.setdefault(s.prompt_id, s.gen.output_ids)
+            identical &= s.gen.output_ids == ref
+        return {
+            "requests": len(self.sent),
+            "completed": len(ok),
+            "failed": len(self.sent) - len(ok),
+            "timed_out": sum(1 for s in done if s.gen.error == "timeout"),
+            "p50_s": round(median(lat), 3) if lat else None,
+            "p99_s": round(percentile(lat, 99), 3) if lat else None,
+            "max_s": round(max(lat), 3) if lat else None,
+            "hits_before_kill": hits_before,
+            "hits_after_restart": len(after),
+            "recovery_s": None if recovery is None else round(recovery - restart, 2),
+            "outputs_identical": identical,
+            "server_start_s": round(self.start_s, 1),
+            **self._scheduler_time(),
+            "error": self.error,
+        }
+
+    def _scheduler_time(self) -> dict:
+        """Per request, scheduler-thread seconds inside the cache backend (the probe's lines)."""
+        if self.probe_file is None:
+            return {}
+        try:
+            lines = [json.loads(x) for x in self.probe_file.read_text().splitlines() if x]
+        except OSError:
+            lines = []
+        per_req = [x["total_s"] for x in lines]
+        return {
+            "sched_requests_probed": len(per_req),
+            "sched_wait_p50_ms": round(median(per_req) * 1000, 3) if per_req else None,
+            "sched_wait_p99_ms": round(percentile(per_req, 99) * 1000, 3) if per_req else None,
+            "sched_wait_max_ms": round(max(per_req) * 1000, 1) if per_req else None,
+            "sched_unattributed_s": round(lines[-1]["unattributed_s"], 3) if lines else None,
+        }
+
+
+def _control(daemon: DaemonProcess, res: SideResult, t0: float, duration_s: float,
+             stop: threading.Event) -> None:
+    """Kill the daemon at KILL_AT of the window and start a new one at RESTART_AT."""
+    if stop.wait(max(0.0, t0 + KILL_AT * duration_s - time.monotonic())):
+        return
+    daemon.kill()
+    res.kill_s = time.monotonic() - t0
+    if stop.wait(max(0.0, t0 + RESTART_AT * duration_s - time.monotonic())):
+        return
+    daemon.start()
+    res.restart_s = time.monotonic() - t0
+
+
+def run_side(side: str, *, python: str, duration_s: float, interval_ms: float,
+             deadline_s: float, mq_timeout_s: float, work: Path, probe: bool = False,
+             progress=print) -> SideResult:
+    res = SideResult(side)
+    daemon = DaemonProcess(chunk_size=CHUNK, log_dir=str(work))
+    daemon.start()
+    if side == "ours":
+        cfg = write_loadback_yaml(work / "loadback.yaml", daemon.port, chunk_size=CHUNK)
+        backend = "loadback"
+    else:
+        cfg = write_upstream_yaml(work / "upstream.yaml", daemon.port, mq_timeout_s=mq_timeout_s)
+        backend = None
+    probe_env = {}
+    if probe:  # the same backend, built and timed by the test-only probe plugin
+        res.probe_file = work / f"{side}-sched.jsonl"
+        backend = f"probe-{backend or 'upstream'}"
+        probe_env = {"LOADBACK_SCHED_PROBE_FILE": str(res.probe_file)}
+    server = SGLangServer(python=python, lmcache_config=cfg, backend=backend,
+                          max_total_tokens=MAX_TOTAL_TOKENS, log_path=work / f"{side}.log",
+                          python_path=[str(PROBE_DIR)] if probe else [], extra_env=probe_env)
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    try:
+        progress(f"[{side}] starting sglang (log {server.log_path}) ...")
+        server.start()
+        res.start_s = server.start_s
+        progress(f"[{side}] ready in {server.start_s:.0f} s; {duration_s:.0f} s of traffic, "
+                 f"daemon killed at {KILL_AT * duration_s:.0f} s, restarted at "
+                 f"{RESTART_AT * duration_s:.0f} s")
+        t0 = time.monotonic()
+        ctl = threading.Thread(target=_control, args=(daemon, res, t0, duration_s, stop),
+                               daemon=True)
+        ctl.start()
+        n = 0
+        while True:
+            due = t0 + n * interval_ms / 1000
+            if due - t0 >= duration_s:
+                break
+            stop.wait(max(0.0, due - time.monotonic()))
+            s = Sent(n, n % POOL, time.monotonic() - t0)
+            res.sent.append(s)
+
+            def send(s=s):
+                s.gen = server.generate(_prompt(s.prompt_id), max_new_tokens=NEW_TOKENS,
+                                        timeout_s=deadline_s)
+                s.done_s = time.monotonic() - t0
+
+            th = threading.Thread(target=send, daemon=True)
+            th.start()
+            threads.append(th)
+            n += 1
+        ctl.join(timeout=120)
+        for th in threads:  # each is bounded by its client deadline
+            th.join(timeout=deadline_s + 30)
+    except Exception as exc:  # a side that cannot run is reported, the other still runs
+        res.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        progress(f"[{side}] {res.error}")
+    finally:
+        stop.set()
+        server.stop()
+        daemon.stop()
+    return res
+
+
+def print_table(summaries: dict[str, dict]) -> None:
+    rows = [
+        ("requests", "requests"), ("completed", "completed"),
+        ("failed or timed out", "failed"), ("  of which timed out", "timed_out"),
+        ("latency p50 (s)", "p50_s"), ("latency p99 (s)", "p99_s"), ("latency max (s)", "max_s"),
+        ("storage hits before the kill", "hits_before_kill"),
+        ("storage hits after the restart", "hits_after_restart"),
+        ("recovery: restart -> first hit (s)", "recovery_s"),
+        ("outputs identical per prompt", "outputs_identical"),
+        ("server start (s)", "server_start_s"),
+        ("scheduler in backend p50 (ms)", "sched_wait_p50_ms"),
+        ("scheduler in backend p99 (ms)", "sched_wait_p99_ms"),
+        ("scheduler in backend max (ms)", "sched_wait_max_ms"),
+    ]
+    cols = list(summaries)
+    print(f"\n{'':36}" + "".join(f"{c:>14}" for c in cols))
+    for label, key in rows:
+        cells = []
+        if all(summaries[c].get(key) is None for c in cols) and key.startswith("sched"):
+            continue
+        for c in cols:
+            v = summaries[c].get(key)
+            cells.append("-" if v is None else str(v))
+        print(f"{label:36}" + "".join(f"{v:>14}" for v in cells))
+    for c in cols:
+        if summaries[c].get("error"):
+            print(f"{c}: {summaries[c]['error']}")
+
+
+def _check_python(python: str) -> str | None:
+    """Why `python` cannot run the demo (no sglang 0.5.23 there), or None if it can."""
+    env = dict(os.environ, PYTHONPATH=str(STUBS_DIR), HF_HUB_OFFLINE="1")
+    out = subprocess.run([python, "-c", "import sglang; print(sglang.__version__)"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    if out.returncode != 0 or out.stdout.strip() != "0.5.23":
+        return (
+            f"sglang-demo needs a Python with sglang 0.5.23 (got {python!r}: "
+            f"{out.stdout.strip() or out.stderr.strip()[-200:]}); build it with "
+            f"`make sglang-envs` and pass --sglang-python .venv-sglang-0.5.23/bin/python")
+
+
+def run(args) -> int:
+    python = args.sglang_python or sys.executable
+    sides = [s for s in SIDES if s in args.sides.split(",")]
+    if not sides:  # the CLI refuses it first; this is for a caller passing args of its own
+        print(f"error: --sides must name some of {','.join(SIDES)}, got {args.sides!r}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    missing = _check_python(python)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    work = Path(tempfile.mkdtemp(prefix="sglang-demo-"))
+    print(f"logs: {work}")
+    t0 = time.monotonic()
+    summaries = {}
+    for side in sides:
+        res = run_side(side, python=python, duration_s=args.duration_s,
+                       interval_ms=args.interval_ms, deadline_s=args.deadline_s,
+                       mq_timeout_s=args.mq_timeout_s, work=work, probe=args.probe)
+        summaries[side] = res.summary()
+    print_table(summaries)
+    print(f"\nsame traffic both sides: a request every {args.interval_ms:g} ms for "
+          f"{args.duration_s:g} s over {POOL} prompts of {PROMPT_LEN} tokens (the device pool "
+          f"holds {MAX_TOTAL_TOKENS} tokens, so revisits hit only in LMCache), client deadline "
+          f"{args.deadline_s:g} s; upstream's lmcache.mp.mq_timeout {args.mq_timeout_s:g} s "
+          f"(default 300). Done in {time.monotonic() - t0:.0f} s; servers and daemons stopped.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summaries, f, indent=2)
+        print(f"wrote {args.json}")
+    ours = summaries.get("ours")
+    ok = ours is None or (ours["error"] is None and ours["failed"] == 0
+                          and ours["outputs_identical"] and ours["hits_after_restart"] > 0)
+    return 0 if ok else 1

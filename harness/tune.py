@@ -1,0 +1,457 @@
+"""`loadback tune --daemon HOST:PORT --model-config config.json`: measure a running LMCache
+daemon with the model's KV layout, recommend a config.
+
+The KV layout comes from the model: `--model-config` (a Hugging Face config.json:
+num_hidden_layers, num_key_value_heads, head_dim or hidden_size / num_attention_heads,
+torch_dtype; KV heads divided by `--tp-size`, as each rank registers its share) or
+`--server URL` of a running SGLang server (its /model_info names the model directory, whose
+config.json is read; its /server_info gives tp_size and kv_cache_dtype). Tune connects to the
+daemon, reads its chunk size, registers that layout, stores one random prefix of 1, 4, 16 and
+64 chunks (each capped below 64 MiB of KV), then times `--requests` LOOKUPs and RETRIEVEs
+(into a random permutation of pool slots) per size. From the p99s and p50s it fits
+retrieve_ms = a + b * tokens/1024 (statistics.linear_regression), and recommends deadlines,
+retries and break-even values, each printed beside the measurement it came from; `--out`
+gets a YAML that `LoadBackConfig.from_yaml` accepts (checked before it is written), its
+header recording the layout and where it came from; `--json` gets the raw measurements.
+Every call has a 10 s timeout and the whole run a 120 s budget: past it, measuring stops
+and the report says so. The prefixes are stored under model name `loadback-tune`, apart from
+the engine's cache.
+
+Exit codes (`orchestrator.exit_codes`): 0 ok; 1 nothing could be measured; 69 the daemon
+cannot be reached; 64 bad usage (a malformed --daemon, or a model config / server that gives
+no KV layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from lmcache_loadback.connectors.errors import ConnectorError, VersionSkew
+from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.connectors.wire import PROTOCOL_VERSION
+
+from .bench.common import fmt, median, percentile, print_table, progress_bar, write_json
+from lmcache_loadback.orchestrator.config import ConfigError, LoadBackConfig
+from lmcache_loadback.orchestrator.exit_codes import EXIT_FAILED, EXIT_USAGE
+from lmcache_loadback.orchestrator.exit_codes import EXIT_UNAVAILABLE as EXIT_UNREACHABLE
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+SIZES_CHUNKS = (1, 4, 16, 64)
+TYPICAL_CHUNKS = 16
+MAX_PREFIX_BYTES = 64 << 20
+CALL_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 3.0            # get_chunk_size + register: an absent daemon fails fast
+WALL_BUDGET_S = 120.0
+MODEL = "loadback-tune"
+LOOKUP_PCT, LOOKUP_FACTOR, LOOKUP_MARGIN_MS = 99.0, 2.0, 5.0
+RETRIEVE_FACTOR, RETRIEVE_MARGIN_MS = 1.5, 2.0
+CAP_TOKENS, CAP_MS = 131072, 30000.0
+_ids = itertools.count(1)
+
+
+@dataclass
+class Size:
+    chunks: int
+    tokens: int
+    lookup_ms: list[float] = field(default_factory=list)
+    retrieve_ms: list[float] = field(default_factory=list)
+    nbytes: int = 0
+    misses: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class LayoutError(ValueError):
+    """The model config (or server) gives no usable KV layout; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """One rank's KV layout of the served model, and where it was read."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    source: str
+
+    def kv_layout(self, chunk_size: int) -> KVLayout:
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, DTYPES[self.dtype],
+                        chunk_size)
+
+    def describe(self) -> str:
+        return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} "
+                f"head_dim {self.dtype}")
+
+
+def layout_from_model_config(path: str | os.PathLike, tp_size: int = 1,
+                             kv_dtype: str | None = None) -> ModelLayout:
+    """Read one rank's KV layout from a Hugging Face config.json (text models, MHA/GQA)."""
+    fix = "pass the model's config.json (--model-config DIR/config.json)"
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise LayoutError(f"model config {path}: cannot read it as JSON ({exc}); {fix}") from None
+    if not isinstance(cfg, dict):
+        raise LayoutError(f"model config {path}: expected a JSON object; {fix}")
+    cfg = cfg.get("text_config") or cfg  # multimodal configs nest the language model's
+
+    def whole(key: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise LayoutError(f"model config {path}: {key} is {value!r}, expected a whole "
+                              f"number > 0; {fix}")
+        return value
+
+    def need(key: str) -> int:
+        if key not in cfg:
+            raise LayoutError(f"model config {path}: no {key!r}; {fix}")
+        return whole(key, cfg[key])
+
+    layers = need("num_hidden_layers")
+    heads = need("num_attention_heads")
+    kv_heads = whole("num_key_value_heads", cfg.get("num_key_value_heads", heads))
+    head_dim = (whole("head_dim", cfg["head_dim"]) if cfg.get("head_dim") is not None
+                else need("hidden_size") // heads)
+    dtype = kv_dtype if kv_dtype not in (None, "auto") else (
+        cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
+    dtype = str(dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise LayoutError(f"model config {path}: KV dtype {dtype!r} is not one of "
+                          f"{sorted(DTYPES)}; {fix}")
+    if tp_size < 1 or kv_heads % tp_size:
+        raise LayoutError(f"--tp-size {tp_size} does not divide num_key_value_heads {kv_heads} "
+                          f"of {path}; pass the server's tensor-parallel size")
+    return ModelLayout(layers, kv_heads // tp_size, head_dim, dtype,
+                       f"{path}" + (f", tp_size {tp_size}" if tp_size > 1 else ""))
+
+
+def _get_json(url: str, timeout_s: float) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return json.loads(resp.read().decode())
+
+
+def layout_from_server(url: str, timeout_s: float = 5.0) -> ModelLayout:
+    """The layout of the model a running SGLang server serves: /model_info names its model
+    directory (config.json is read from there), /server_info gives tp_size and kv_cache_dtype."""
+    base = url.rstrip("/")
+    try:
+        info = _get_json(f"{base}/model_info", timeout_s)
+        server = _get_json(f"{base}/server_info", timeout_s)
+    except (OSError, ValueError) as exc:
+        raise LayoutError(f"--server {url}: cannot read /model_info and /server_info ({exc}); "
+                          "pass the URL of a running SGLang server, or --model-config "
+                          "config.json") from None
+    model_path = info.get("model_path") or server.get("model_path")
+    config = Path(str(model_path)) / "config.json"
+    if not model_path or not config.is_file():
+        raise LayoutError(f"--server {url}: its model {model_path!r} is not a local directory "
+                          "with a config.json (a hub name is not read here); pass "
+                          "--model-config PATH/config.json")
+    tp = server.get("tp_size") or 1
+    layout = layout_from_model_config(config, int(tp), server.get("kv_cache_dtype"))
+    return ModelLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                       f"{config} (served at {url}, tp_size {tp})")
+
+
+def _parse_daemon(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.strip().removeprefix("tcp://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--daemon {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:5555")
+    return host, int(port)
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
+
+
+def _store(conn: LMCacheMPConnector, toks, pool: KVPool) -> None:
+    rid = f"tune-store-{os.getpid()}-{next(_ids)}"
+    try:
+        conn.store_from(toks, rid, pool, torch.randperm(pool.num_slots)[:len(toks)],
+                        timeout_s=CALL_TIMEOUT_S)
+    finally:
+        conn.end_session(rid, CALL_TIMEOUT_S)
+
+
+def _sample(conn: LMCacheMPConnector, s: Size, toks, pool: KVPool) -> None:
+    rid = f"tune-{os.getpid()}-{next(_ids)}"
+    try:
+        t0 = time.perf_counter()
+        hit = conn.lookup_hit_tokens(toks, rid, CALL_TIMEOUT_S)
+        s.lookup_ms.append(_ms(t0))
+        if hit != s.tokens:  # evicted: release what the lookup locked, store it again
+            s.misses += 1
+            conn.free_locks(toks, rid, 0, hit, CALL_TIMEOUT_S)
+            _store(conn, toks, pool)
+            return
+        slots = torch.randperm(pool.num_slots)[:s.tokens]
+        t0 = time.perf_counter()
+        got = conn.retrieve_into(toks, rid, pool, slots, start=0, end=hit,
+                                 timeout_s=CALL_TIMEOUT_S)
+        s.retrieve_ms.append(_ms(t0))  # the engine waits this long; the commit is off its path
+        s.nbytes = got.nbytes
+        if got.commit is not None:
+            got.commit(CALL_TIMEOUT_S)
+    except ConnectorError as exc:
+        s.errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        try:
+            conn.end_session(rid, CALL_TIMEOUT_S)
+        except ConnectorError:
+            pass
+
+
+def measure(conn: LMCacheMPConnector, sizes: list[Size], requests: int,
+            budget_s: float) -> tuple[bool, float]:
+    """Fill `sizes` with samples; (stopped early at the budget, seconds spent)."""
+    t_start = time.monotonic()
+    layout = conn.layout
+    n_slots = max(s.tokens for s in sizes)
+    shape = (n_slots, layout.num_heads, layout.head_dim)
+    pool = KVPool([torch.randn(shape, dtype=layout.dtype) for _ in range(layout.num_layers)],
+                  [torch.randn(shape, dtype=layout.dtype) for _ in range(layout.num_layers)])
+    rng, stopped = random.Random(), False
+    bar = progress_bar(len(sizes) * requests, "tune")
+    try:
+        for s in sizes:
+            if stopped or time.monotonic() - t_start > budget_s:
+                stopped = True
+                break
+            toks = [rng.randrange(1, 50000) for _ in range(s.tokens)]
+            try:
+                _store(conn, toks, pool)
+            except ConnectorError as exc:
+                s.errors.append(f"store: {type(exc).__name__}: {exc}")
+                bar.update(requests)
+                continue
+            _sample(conn, Size(s.chunks, s.tokens), toks, pool)  # warm-up, not counted
+            for _ in range(requests):
+                if time.monotonic() - t_start > budget_s:
+                    stopped = True
+                    break
+                _sample(conn, s, toks, pool)
+                bar.update(1)
+    finally:
+        bar.close()
+    return stopped, time.monotonic() - t_start
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares y = a + b*x with a, b >= 0 (one point: through the origin)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    if len(set(xs)) < 2:
+        return 0.0, ys[0] / xs[0]
+    b, a = statistics.linear_regression(xs, ys)
+    if b < 0:  # slower for fewer tokens is noise: a flat line at the mean
+        return statistics.fmean(ys), 0.0
+    if a < 0:  # a negative fixed cost is noise: refit through the origin
+        return 0.0, statistics.linear_regression(xs, ys, proportional=True).slope
+    return a, b
+
+
+def _up(x: float, digits: int = 1) -> float:
+    return math.ceil(x * 10 ** digits) / 10 ** digits
+
+
+def recommend(sizes: list[Size], chunk: int, prefill_tps: float):
+    """[(config key, value, measurement it came from)] from the measured sizes."""
+    got = [s for s in sizes if s.retrieve_ms]
+    look = max((s for s in sizes if s.lookup_ms), key=lambda s: percentile(s.lookup_ms, LOOKUP_PCT))
+    lp99 = percentile(look.lookup_ms, LOOKUP_PCT)
+    a99, b99 = fit([(s.tokens / 1024, percentile(s.retrieve_ms, 99)) for s in got])
+    # A least-squares line passes below some points: lift its intercept so that the
+    # deadline line covers every measured size's p99 before the safety factor.
+    cover = max(percentile(s.retrieve_ms, 99) - b99 * s.tokens / 1024 for s in got)
+    a50, b50 = fit([(s.tokens / 1024, median(s.retrieve_ms)) for s in got])
+    base = _up(max(a99, cover) * RETRIEVE_FACTOR + RETRIEVE_MARGIN_MS)
+    per_ki = _up(b99 * RETRIEVE_FACTOR, 3)
+    cap = max(base, min(CAP_MS, _up(base + per_ki * CAP_TOKENS / 1024)))
+    typ = min(got, key=lambda s: abs(s.chunks - TYPICAL_CHUNKS))
+    typ_deadline = min(cap, base + per_ki * typ.tokens / 1024)
+    typ_p50 = median(typ.retrieve_ms)
+    attempts = max(1, min(4, int(typ_deadline // max(typ_p50, 1e-6))))
+    big = max(got, key=lambda s: s.tokens)
+    gbps = big.nbytes / (median(big.retrieve_ms) / 1000) / 1e9
+    if prefill_tps <= 0:
+        min_tok, why = 0, "--prefill-tokens-per-s 0: the time comparison is off"
+    else:
+        beats = [k * chunk for k in range(1, CAP_TOKENS // chunk + 1)
+                 if a50 + b50 * k * chunk / 1024 < 1000 * k * chunk / prefill_tps]
+        # When loading never wins, no floor is written: break_even.prefill_tokens_per_s makes
+        # the orchestrator skip loads by the bandwidth it measures live, and recovers by
+        # itself if the daemon gets faster; a huge floor would switch load-back off for good.
+        min_tok = 0 if not beats or beats[0] == chunk else beats[0]
+        why = (f"p50 fit {fmt(a50, 3)} + {fmt(b50, 4)} ms/Ki vs prefill "
+               f"{1e6 / prefill_tps:.1f} ms/Ki at {prefill_tps:g} tok/s: "
+               + ("loading wins from the first chunk" if beats and min_tok == 0 else
+                  f"loading wins from {min_tok} tokens" if beats else
+                  f"WARNING loading never won up to {CAP_TOKENS} tokens here; no floor is set, "
+                  "the live break-even check (bandwidth learned per retrieve) decides; "
+                  "check the prefill speed and the daemon's transfer mode (shm is faster)"))
+    fits = {"p99": (a99, b99), "p50": (a50, b50)}
+    return fits, [
+        ("deadlines.lookup_ms", _up(lp99 * LOOKUP_FACTOR + LOOKUP_MARGIN_MS),
+         f"p{LOOKUP_PCT:g} lookup {fmt(lp99, 3)} ms (slowest size, {look.tokens} tokens) "
+         f"x {LOOKUP_FACTOR:g} + {LOOKUP_MARGIN_MS:g} ms margin"),
+        ("deadlines.retrieve_base_ms", base,
+         f"p99 fit intercept {fmt(a99, 3)} ms"
+         + (f", lifted to {fmt(cover, 3)} ms to cover every size's p99," if cover > a99 else "")
+         + f" x {RETRIEVE_FACTOR:g} + {RETRIEVE_MARGIN_MS:g} ms"),
+        ("deadlines.retrieve_per_ki_token_ms", per_ki,
+         f"p99 fit slope {fmt(b99, 4)} ms/Ki x {RETRIEVE_FACTOR:g}"),
+        ("deadlines.retrieve_max_ms", cap,
+         f"the deadline for {CAP_TOKENS} tokens, capped at {CAP_MS:g} ms"),
+        ("retries.max_attempts", attempts,
+         f"{typ.chunks}-chunk prefix: deadline {fmt(typ_deadline, 1)} ms / p50 retrieve "
+         f"{fmt(typ_p50, 3)} ms, clamped to 1..4"),
+        ("break_even.initial_bandwidth_gbps", float(f"{max(gbps, 1e-3):.3g}"),
+         f"{big.nbytes} bytes / p50 retrieve {fmt(median(big.retrieve_ms), 3)} ms "
+         f"({big.tokens} tokens)"),
+        ("break_even.prefill_tokens_per_s", float(prefill_tps), "--prefill-tokens-per-s"),
+        ("break_even.min_tokens", min_tok, why),
+    ]
+
+
+def render_yaml(host: str, port: int, chunk: int, recs, header: list[str]) -> str:
+    sections: dict[str, list[str]] = {}
+    for key, value, why in recs:
+        sec, name = key.split(".")
+        sections.setdefault(sec, []).append(f"  {name}: {value!r}  # {why}")
+    lines = [f"# {h}" for h in header] + [
+        "mode: mp", f"mp_host: {json.dumps(host)}", f"mp_port: {port}", f"chunk_size: {chunk}"]
+    for sec, rows in sections.items():
+        lines += [f"{sec}:"] + rows
+    return "\n".join(lines) + "\n"
+
+
+def _unreachable(host: str, port: int, endpoint: str, exc: Exception) -> int:
+    addr = f"{host}:{port}"
+    fix = (f"install lmcache=={PROTOCOL_VERSION} on the daemon's side" if isinstance(exc, VersionSkew)
+           else f"start the daemon there (python -m lmcache.v1.multiprocess.server --host {host} "
+                f"--port {port} --chunk-size N) or pass the address it listens on: --daemon HOST:PORT")
+    print(f"error: cannot use the LMCache daemon at {addr} ({endpoint}) within "
+          f"{CONNECT_TIMEOUT_S:g} s: {type(exc).__name__}: {exc}\nfix: {fix}", file=sys.stderr)
+    return EXIT_UNREACHABLE
+
+
+def resolve_layout(args: argparse.Namespace) -> ModelLayout:
+    """The KV layout from --model-config or --server (exactly one is required)."""
+    model_config, server = getattr(args, "model_config", None), getattr(args, "server", None)
+    if bool(model_config) == bool(server):
+        raise LayoutError("tune needs the model's KV layout: pass exactly one of "
+                          "--model-config PATH/config.json or --server URL (a running SGLang "
+                          "server)")
+    if server:
+        return layout_from_server(server)
+    return layout_from_model_config(model_config, int(getattr(args, "tp_size", 1) or 1))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        host, port = _parse_daemon(args.daemon)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        model = resolve_layout(args)
+    except LayoutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    requests = max(1, int(args.requests))
+    endpoint, addr = f"tcp://{host}:{port}", f"{host}:{port}"
+    probe = LMCacheMPConnector(endpoint, model.kv_layout(1), model_name=MODEL,
+                               connect_timeout_s=1.0)
+    try:
+        try:
+            chunk = probe.get_chunk_size(CONNECT_TIMEOUT_S)
+            if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+                raise ConnectorError(f"get_chunk_size answered {chunk!r}, not a chunk size")
+            layout = model.kv_layout(chunk)
+            conn = LMCacheMPConnector(endpoint, layout, model_name=MODEL,
+                                      transport=probe.transport)
+            conn.register(CONNECT_TIMEOUT_S)
+        except ConnectorError as exc:
+            return _unreachable(host, port, endpoint, exc)
+        layout_txt = f"{model.describe()}, {layout.bytes_per_token} B/token"
+        print(f"daemon {addr}: chunk size {chunk}; KV layout {layout_txt} (from {model.source})")
+        max_chunks = max(1, MAX_PREFIX_BYTES // layout.chunk_bytes)
+        sizes = [Size(c, c * chunk) for c in sorted({min(c, max_chunks) for c in SIZES_CHUNKS})]
+        stopped, spent = measure(conn, sizes, requests, WALL_BUDGET_S)
+        try:
+            conn.unregister(CALL_TIMEOUT_S)
+        except ConnectorError:
+            pass
+    finally:
+        probe.close()
+    rows = [(s.chunks, s.tokens, fmt(s.tokens * layout.bytes_per_token / 2**20, 2),
+             f"{len(s.retrieve_ms)}/{len(s.lookup_ms)}", fmt(median(s.lookup_ms), 3),
+             fmt(percentile(s.lookup_ms, 99), 3), fmt(median(s.retrieve_ms), 3),
+             fmt(percentile(s.retrieve_ms, 99), 3), s.misses, len(s.errors)) for s in sizes]
+    print_table(["chunks", "tokens", "MiB", "n ret/look", "lookup p50", "lookup p99", "retrieve p50",
+                 "retrieve p99", "misses", "errors"], rows,
+                title=f"measured (ms; {requests} samples per size after 1 warm-up):")
+    for s in sizes:
+        for e in s.errors[:3]:
+            print(f"  {s.tokens} tokens: {e}")
+    if stopped:
+        print(f"STOPPED EARLY: the {WALL_BUDGET_S:g} s budget ran out after {spent:.1f} s")
+    if not any(s.retrieve_ms for s in sizes):
+        print(f"error: no RETRIEVE of the daemon at {addr} succeeded; nothing to recommend "
+              "(see the errors above)", file=sys.stderr)
+        return EXIT_FAILED
+    fits, recs = recommend(sizes, chunk, args.prefill_tokens_per_s)
+    for name, (a, b) in fits.items():
+        print(f"fit {name}: retrieve_ms = {fmt(a, 3)} + {fmt(b, 4)} * tokens/1024")
+    print("recommended (value  <- the measurement it came from):")
+    width = max(len(k) + len(repr(v)) for k, v, _ in recs) + 2
+    for key, value, why in recs:
+        print(f"  {f'{key}: {value!r}':<{width}}  <- {why}")
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    header = [
+        f"Tuned by `loadback tune` at {when} against the LMCache daemon at {addr}",
+        f"(chunk size {chunk}, protocol lmcache=={PROTOCOL_VERSION}); "
+        f"{requests} samples per prefix size of {[s.tokens for s in sizes]} tokens"
+        + (f", stopped early at the {WALL_BUDGET_S:g} s budget" if stopped else "") + ".",
+        f"KV layout per rank: {layout_txt}, from {model.source}.",
+        "Deadlines scale with bytes per token: re-run tune for another model.",
+    ]
+    text = render_yaml(host, port, chunk, recs, header)
+    try:
+        LoadBackConfig.from_dict(yaml.safe_load(text), source=args.out)  # before writing
+    except (ConfigError, yaml.YAMLError) as exc:
+        print(f"error: the recommended config does not validate: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    tmp = f"{args.out}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}")
+    if getattr(args, "json", None):
+        write_json(args.json, {
+            "daemon": addr, "chunk_size": chunk, "layout": asdict(model),
+            "bytes_per_token": layout.bytes_per_token, "requests": requests,
+            "stopped_early": stopped,
+            "sizes": [{"chunks": s.chunks, "tokens": s.tokens, "nbytes": s.nbytes,
+                       "misses": s.misses, "errors": s.errors, "lookup_ms": s.lookup_ms,
+                       "retrieve_ms": s.retrieve_ms} for s in sizes],
+            "fits": {k: {"a_ms": a, "b_ms_per_ki": b} for k, (a, b) in fits.items()},
+            "recommended": {k: v for k, v, _ in recs},
+        })
+        print(f"wrote {args.json}")
+    return 0
