@@ -1,21 +1,8 @@
-"""Gather/scatter between an SGLang-style KV pool and LMCache engine-driven chunk tensors.
+"""The engine-neutral KV layout, the pool view, and gather/scatter between them and chunks.
 
-SGLang's MHATokenToKVPool keeps ``k_buffer``/``v_buffer``: one ``[num_slots + page_size,
-num_heads, head_dim]`` tensor per layer; a token's KV sits at one slot index in every layer. An
-LMCache engine-driven chunk is ``[2, num_layers, chunk_size, hidden]`` (dim 0 = K, V). An MLA
-pool (MLATokenToKVPool) keeps one latent ``kv_buffer`` per layer (``[slots, 1, kv_lora_rank +
-qk_rope_head_dim]``), and its chunk is ``[num_layers, chunk_size, hidden]`` (what the daemon
-registers with ``use_mla``); inside this module it moves as one "plane" where MHA has two. The
-connector calls ``gather_chunks`` before ``commit_store`` and ``scatter_chunks`` after
-``prepare_retrieve``: the hot path of every load-back, so no per-token Python loops. Each
-(layer, K/V) moves with one index op per run of chunks: all of them when they are views of one
-token-major tensor, one chunk when that is a big enough op, else a group of chunks through a
-scratch tensor. Rows are reinterpreted as int64 (gather) / complex128 (scatter) for the index
-ops: same bytes, fewer elements, faster kernels. One ascending slot range moves by slicing.
-
-Measured (2 busy cores, 4096 tokens x 4 layers x 1024 hidden fp16, random slots; median ratio
-to a same-size torch copy_ of ~21 GB/s): chunk 256 gather 0.62 / scatter 0.61 (slot range
-0.82 / 0.85; token-major views 0.80 / 0.74); chunk 16 gather 0.39 / scatter 0.41.
+A `KVLayout` says what the daemon registers (layers, heads, head_dim, dtype, chunk size, K/V or
+latent); a `KVPool` holds the engine's per-layer `[slots, heads, head_dim]` buffers. Each engine
+builds both from its own pool (engines/sglang/pools.py); the connector moves whole chunks.
 """
 
 from __future__ import annotations
@@ -29,6 +16,10 @@ import torch
 
 from lmcache_loadback.connectors.errors import ProtocolError, SlotsError
 
+# The hot path of every load-back, so no per-token Python loops: each (layer, K/V) moves with one
+# index op per run of chunks (all of them when they are views of one token-major tensor, one
+# chunk when that is a big enough op, else a group through a scratch tensor); one ascending
+# slot range moves by slicing.
 # Bytes per index op per CPU thread below which op overhead dominates: small chunks are grouped.
 _OP_BYTES = 256 << 10
 # Cap on the grouping scratch, kept per thread on CPU: a fresh one costs page faults each call.
@@ -39,7 +30,10 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one model's KV cache as LMCache chunks see it; built once per engine."""
+    """Shape of one model's KV cache as LMCache chunks see it; built once per engine, by the
+    engine's adapter, from numbers alone. `mla` picks the kind: False, K and V per layer
+    (chunks `[2, L, chunk, heads * head_dim]`); True, one latent buffer per layer (chunks
+    `[L, chunk, heads * head_dim]`, what the daemon registers with `use_mla`)."""
 
     num_layers: int
     num_heads: int
@@ -87,30 +81,39 @@ class KVLayout:
     def dtype_str(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
-    @classmethod
-    def from_pool(cls, k_buffer: Sequence[torch.Tensor], v_buffer: Sequence[torch.Tensor],
-                  chunk_size: int) -> "KVLayout":
-        """Read the layout off an engine's pool (called once at connector start-up)."""
-        first = k_buffer[0] if len(k_buffer) else None
-        if not isinstance(first, torch.Tensor) or first.dim() != 3:
-            raise ValueError("k_buffer must be a list of [num_slots, num_heads, head_dim] tensors")
-        layout = cls(len(k_buffer), first.shape[1], first.shape[2], first.dtype, chunk_size)
-        _pool_views(layout, k_buffer, v_buffer)
-        return layout
+
+@dataclass(frozen=True)
+class KVPool:
+    """The engine's KV memory as the connector copies into it: per layer a K and a V tensor
+    `[slots, heads, head_dim]` (slot = the token's index in every layer); a latent pool
+    (`KVPool.latent`) keeps its one buffer per layer in `k_buffer`, no V. Engines whose memory
+    is shaped otherwise pass views (vLLM's paged `[2, blocks, block_size, heads, dim]` layer:
+    `kv[0].flatten(0, 1)` and `kv[1].flatten(0, 1)`, slot = block * block_size + offset)."""
+
+    k_buffer: Sequence[torch.Tensor]
+    v_buffer: Sequence[torch.Tensor] = ()
 
     @classmethod
-    def from_latent_pool(cls, kv_buffer: Sequence[torch.Tensor], chunk_size: int
-                         ) -> "KVLayout":
-        """The MLA layout of a pool holding one latent buffer per layer, each
-        [num_slots, heads, dim] (SGLang's MLATokenToKVPool: heads 1, dim kv_lora_rank +
-        qk_rope_head_dim)."""
-        first = kv_buffer[0] if len(kv_buffer) else None
-        if not isinstance(first, torch.Tensor) or first.dim() != 3:
-            raise ValueError("kv_buffer must be a list of [num_slots, 1, latent_dim] tensors")
-        layout = cls(len(kv_buffer), first.shape[1], first.shape[2], first.dtype, chunk_size,
-                     mla=True)
-        _pool_views(layout, kv_buffer, ())
-        return layout
+    def latent(cls, kv_buffer: Sequence[torch.Tensor]) -> "KVPool":
+        """A latent (MLA) pool: one `[slots, heads, latent_dim]` buffer per layer."""
+        return cls(list(kv_buffer), ())
+
+    @property
+    def kv_buffer(self) -> Sequence[torch.Tensor]:
+        """The latent buffers of an MLA pool."""
+        if len(self.v_buffer):
+            raise AttributeError("an MHA pool (K and V buffers) has no latent kv_buffer")
+        return self.k_buffer
+
+    @property
+    def num_slots(self) -> int:
+        return self.k_buffer[0].shape[0]
+
+
+def check_pool(layout: KVLayout, pool: KVPool) -> None:
+    """ValueError, naming the buffer, unless every buffer of `pool` is `[slots, num_heads,
+    head_dim]` of `layout.dtype` on one device, with one buffer per layer and plane."""
+    _pool_views(layout, pool.k_buffer, pool.v_buffer)
 
 
 def _pool_views(layout: KVLayout, k_buffer, v_buffer) -> tuple[list, int, torch.device]:
@@ -236,7 +239,7 @@ def _move_rows(planes, idx: torch.Tensor, t: torch.Tensor, start: int | None,
                 torch.index_select(p, 0, idx, out=xw)
             elif gather:
                 x.copy_(torch.index_select(pool, 0, idx))
-            else:  # complex128 index_put_ ran 17.9 GB/s, int64 index_copy_ 11, fp16 8.8
+            else:  # complex128 index_put_ beats int64 index_copy_ and fp16 index ops
                 p, xw = _wide(pool, x, torch.complex128, torch.int64)
                 p.index_put_((idx,), xw)
 
@@ -244,9 +247,7 @@ def _move_rows(planes, idx: torch.Tensor, t: torch.Tensor, start: int | None,
 def _group_chunks(layout: KVLayout, dev: torch.device) -> int:
     """Chunks per index op: 1 when a chunk alone is a big enough op, else enough to reach it.
 
-    Measured: 2 threads, chunk 256: per-chunk 0.58 of copy_, grouped 0.42; 16 threads:
-    per-chunk 8 GB/s, grouped 41. On GPUs launches, not bytes, cost: group up to the cap.
-    """
+    On GPUs launches, not bytes, cost: group up to the cap."""
     op = layout.chunk_size * layout.hidden_dim * layout.dtype.itemsize
     target = _OP_BYTES * torch.get_num_threads() if dev.type == "cpu" else _SCRATCH_BYTES
     return max(1, min(_SCRATCH_BYTES // layout.chunk_bytes, -(-target // op)))
@@ -372,31 +373,6 @@ def scatter_chunks(layout: KVLayout, chunks: Sequence[torch.Tensor],
             torch.stack(chunks[j0:j0 + cnt], dim=2, out=view.unflatten(2, (cnt, c)))
         _move_rows(planes, slots[j0 * c:(j0 + cnt) * c], view,
                    None if start is None else start + j0 * c, gather=False)
-
-
-@dataclass(frozen=True)
-class KVPool:
-    """The engine's KV memory: per layer a K and a V tensor `[slots, heads, head_dim]`; an MLA
-    pool (`KVPool.latent`) keeps its one latent buffer per layer in `k_buffer`, no V."""
-
-    k_buffer: Sequence[torch.Tensor]
-    v_buffer: Sequence[torch.Tensor] = ()
-
-    @classmethod
-    def latent(cls, kv_buffer: Sequence[torch.Tensor]) -> "KVPool":
-        """An MLA pool: SGLang's MLATokenToKVPool.kv_buffer."""
-        return cls(list(kv_buffer), ())
-
-    @property
-    def kv_buffer(self) -> Sequence[torch.Tensor]:
-        """The latent buffers of an MLA pool."""
-        if len(self.v_buffer):
-            raise AttributeError("an MHA pool (K and V buffers) has no latent kv_buffer")
-        return self.k_buffer
-
-    @property
-    def num_slots(self) -> int:
-        return self.k_buffer[0].shape[0]
 
 
 def scatter_skipping(layout: KVLayout, chunks, pool: KVPool, slots: torch.Tensor, skip: int) -> None:

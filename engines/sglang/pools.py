@@ -1,19 +1,18 @@
-"""Which SGLang KV pools the `loadback` backend serves, and the start-up refusal for the rest.
+"""SGLang's KV pool -> the engine-neutral `KVLayout` and `KVPool`; start-up refusal of the rest.
 
-Who calls it: `LoadBackRadixCache` at construction (and `from_build_context` with SGLang's
-build flags), before anything reaches the scheduler. Served: full-attention MHA
-(`MHATokenToKVPool`: per-layer K and V) and MLA (`MLATokenToKVPool`: one latent buffer per
-layer), and subclasses of those two that keep their buffers (`_create_buffers` not
-overridden). Refused, in one line naming the model feature and the fix: hybrid sliding-window
-(SWA), hybrid SSM/mamba/linear attention, DeepSeek sparse attention (DSA) and other sparse
-pools, and any pool not built like those two (FP4/MXFP8 scales, page-major, no-op, ...): their
-KV is not the chunks the daemon registers, so a load could not be byte-exact.
+Served: `MHATokenToKVPool` (per-layer K and V), `MLATokenToKVPool` (one latent buffer per
+layer) and subclasses keeping their buffers; refused in one line: hybrid SWA/SSM, sparse
+(DSA, ...) and any pool not built like those two (its KV is not the daemon's chunks).
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import torch
+
 from lmcache_loadback.connectors.errors import UnsupportedKVPool
-from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
+from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool, check_pool
 
 SUPPORTED = ("LMCache MP load-back supports full-attention MHA and MLA pools only "
              "(MHATokenToKVPool, MLATokenToKVPool)")
@@ -68,9 +67,40 @@ def pool_kind(kvcache) -> str:
 
 
 def layout_and_pool(kvcache, chunk_size: int) -> tuple[KVLayout, KVPool]:
-    """The chunk layout the daemon registers and the buffers loads and stores move."""
+    """The chunk layout the daemon registers and the buffers loads and stores move.
+
+    Who calls it: `LoadBackRadixCache` at construction, after `pool_kind` accepted the pool."""
     if pool_kind(kvcache) == "mla":
-        kv = list(kvcache.kv_buffer)
-        return KVLayout.from_latent_pool(kv, chunk_size), KVPool.latent(kv)
-    k, v = list(kvcache.k_buffer), list(kvcache.v_buffer)
-    return KVLayout.from_pool(k, v, chunk_size), KVPool(k, v)
+        return latent_layout(list(kvcache.kv_buffer), chunk_size)
+    return mha_layout(list(kvcache.k_buffer), list(kvcache.v_buffer), chunk_size)
+
+
+def mha_layout(k_buffer: Sequence[torch.Tensor], v_buffer: Sequence[torch.Tensor],
+               chunk_size: int) -> tuple[KVLayout, KVPool]:
+    """MHATokenToKVPool's buffers: per layer a K and a V `[num_slots + page_size, num_heads,
+    head_dim]`. ValueError if they are not all that shape, dtype and device."""
+    first = _first(k_buffer, "k_buffer must be a list of [num_slots, num_heads, head_dim] "
+                             "tensors")
+    layout = KVLayout(len(k_buffer), first.shape[1], first.shape[2], first.dtype, chunk_size)
+    pool = KVPool(list(k_buffer), list(v_buffer))
+    check_pool(layout, pool)
+    return layout, pool
+
+
+def latent_layout(kv_buffer: Sequence[torch.Tensor], chunk_size: int
+                  ) -> tuple[KVLayout, KVPool]:
+    """MLATokenToKVPool's buffers: one latent `[num_slots + page_size, 1, kv_lora_rank +
+    qk_rope_head_dim]` per layer. ValueError if they are not all that shape, dtype and device."""
+    first = _first(kv_buffer, "kv_buffer must be a list of [num_slots, 1, latent_dim] tensors")
+    layout = KVLayout(len(kv_buffer), first.shape[1], first.shape[2], first.dtype, chunk_size,
+                      mla=True)
+    pool = KVPool.latent(kv_buffer)
+    check_pool(layout, pool)
+    return layout, pool
+
+
+def _first(buffers: Sequence[torch.Tensor], expected: str) -> torch.Tensor:
+    first = buffers[0] if len(buffers) else None
+    if not isinstance(first, torch.Tensor) or first.dim() != 3:
+        raise ValueError(expected)
+    return first

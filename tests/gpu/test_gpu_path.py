@@ -15,6 +15,7 @@ from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.connectors.gpu_transfer import GpuTransferError
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.engines.sglang.pools import mha_layout
 from tests.stepping import Stepped
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon,
@@ -91,7 +92,7 @@ def _roundtrip(conn, layout, *, n_tok=5 * CHUNK, skip=5, tag=""):
 def test_layout_reads_off_a_cuda_pool(dtype):
     lay = _layout(dtype)
     pool = _pool(lay)
-    assert KVLayout.from_pool(pool.k_buffer, pool.v_buffer, CHUNK) == lay
+    assert mha_layout(pool.k_buffer, pool.v_buffer, CHUNK)[0] == lay
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

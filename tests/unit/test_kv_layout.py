@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from lmcache_loadback.connectors.errors import ProtocolError, SlotsError
-from lmcache_loadback.connectors.kv_layout import KVLayout, check_slots, gather_chunks, scatter_chunks
+from lmcache_loadback.connectors.kv_layout import (
+    KVLayout,
+    KVPool,
+    check_pool,
+    check_slots,
+    gather_chunks,
+    scatter_chunks,
+)
+from lmcache_loadback.engines.sglang.pools import latent_layout, mha_layout
 
 HEADS, HEAD_DIM, POOL = 2, 32, 4096
 
@@ -178,14 +186,37 @@ def test_layout_properties_and_validation():
         KVLayout(4, 8, 128, "float16", 256)
 
 
-def test_from_pool():
+def test_layout_from_an_sglang_pool():
+    """The SGLang adapter reads the layout off MHATokenToKVPool-shaped buffers."""
     k = [torch.zeros(65, 4, 16, dtype=torch.bfloat16) for _ in range(3)]
     v = [torch.zeros(65, 4, 16, dtype=torch.bfloat16) for _ in range(3)]
-    assert KVLayout.from_pool(k, v, 16) == KVLayout(3, 4, 16, torch.bfloat16, 16)
+    layout, pool = mha_layout(k, v, 16)
+    assert layout == KVLayout(3, 4, 16, torch.bfloat16, 16)
+    assert list(pool.k_buffer) == k and list(pool.v_buffer) == v
     with pytest.raises(ValueError):
-        KVLayout.from_pool(k, v[:2], 16)
+        mha_layout(k, v[:2], 16)
     with pytest.raises(ValueError, match="v_buffer"):
-        KVLayout.from_pool(k, v[:2] + [torch.zeros(65, 4, 16)], 16)
+        mha_layout(k, v[:2] + [torch.zeros(65, 4, 16)], 16)
+    with pytest.raises(ValueError, match="k_buffer must be"):
+        mha_layout([], [], 16)
+
+
+def test_a_paged_pool_needs_no_connector_code():
+    """A vLLM-style layer `[2, blocks, block_size, heads, dim]`: the layout from numbers, the
+    pool from views (slot = block * block_size + offset), chunks land at those rows."""
+    layout = KVLayout(2, HEADS, HEAD_DIM, torch.float16, 16)
+    paged = [torch.zeros(2, 8, 16, HEADS, HEAD_DIM, dtype=torch.float16) for _ in range(2)]
+    pool = KVPool([kv[0].flatten(0, 1) for kv in paged], [kv[1].flatten(0, 1) for kv in paged])
+    check_pool(layout, pool)
+    k, v = make_pool(layout, slots=255)
+    src, dst = torch.randperm(255)[:32] + 1, torch.randperm(128)[:32]
+    scatter_chunks(layout, gather_chunks(layout, k, v, src), pool.k_buffer, pool.v_buffer, dst)
+    blocks, offs = dst // 16, dst % 16
+    for l in range(2):
+        assert beq(paged[l][0, blocks, offs], k[l][src])
+        assert beq(paged[l][1, blocks, offs], v[l][src])
+    with pytest.raises(ValueError, match="k_buffer"):
+        check_pool(layout, KVPool([kv[0] for kv in paged], [kv[1] for kv in paged]))
 
 
 @pytest.fixture
@@ -293,8 +324,7 @@ def latent_pool(layout: KVLayout, slots: int = POOL, seed: int = 0) -> list[torc
 
 
 def mla_layout(num_layers: int = 3, chunk_size: int = 16, dtype=torch.bfloat16) -> KVLayout:
-    return KVLayout.from_latent_pool([torch.zeros(8, 1, LATENT, dtype=dtype)] * num_layers,
-                                     chunk_size)
+    return latent_layout([torch.zeros(8, 1, LATENT, dtype=dtype)] * num_layers, chunk_size)[0]
 
 
 def test_mla_layout_shape_matches_the_daemons_use_mla_registration():
@@ -310,7 +340,7 @@ def test_mla_layout_shape_matches_the_daemons_use_mla_registration():
     with pytest.raises(ValueError, match="no v_buffer"):
         gather_chunks(mla_layout(2), kv, kv, torch.arange(16))
     with pytest.raises(ValueError, match="kv_buffer"):
-        KVLayout.from_latent_pool(kv[:1] + [torch.zeros(65, 1, 8)], 16)
+        latent_layout(kv[:1] + [torch.zeros(65, 1, 8)], 16)
 
 
 @pytest.mark.parametrize("chunk_size", [16, 256])
@@ -360,7 +390,7 @@ def test_mla_every_path_is_exact(monkeypatch, op_bytes):
 
 
 def test_mla_scatter_skipping_and_refusals():
-    from lmcache_loadback.connectors.kv_layout import KVPool, scatter_skipping
+    from lmcache_loadback.connectors.kv_layout import scatter_skipping
 
     layout = mla_layout(2, 16)
     a, b = latent_pool(layout, seed=1), latent_pool(layout, seed=2)
