@@ -58,3 +58,22 @@ def test_stubs_raise_when_called(module, name):
     assert "harness/sglang/stubs" in mod.__file__, f"{module} is not the test stub: {mod.__file__}"
     with pytest.raises(RuntimeError, match="test-only stub"):
         getattr(mod, name)()
+
+
+def test_the_backend_and_the_demo_import_without_tests(tmp_path):
+    """The SGLang backend, the plugin hook and the demo's launcher import from a directory
+    that is not the checkout, and nothing they import comes from `tests/`."""
+    import subprocess
+    import sys
+
+    code = ("import sys, lmcache_loadback.engines.sglang as e, "
+            "lmcache_loadback.engines.sglang.radix_cache as rc, "
+            "lmcache_loadback.harness.sglang.demo as d, lmcache_loadback.harness.sglang.server as s\n"
+            "e.register()\n"
+            "assert s.TINY_MODEL_DIR.joinpath('config.json').is_file(), s.TINY_MODEL_DIR\n"
+            "bad = sorted(m for m in sys.modules if m == 'tests' or m.startswith('tests.'))\n"
+            "print('TESTS', bad)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TESTS []" in r.stdout, r.stdout
