@@ -1,68 +1,32 @@
 """KV bytes between the daemon's host memory and a CUDA KV pool (engine-driven transfer on GPU).
 
-Who calls it: `LMCacheMPConnector`, when the engine's KV pool lives on a CUDA device. The
-connector validates the daemon's reply and the slots; this module only moves bytes:
-- load: host chunks (views into the daemon's shared-memory segment, or decoded pickle
-  tensors) are copied host-to-device in pieces on two side streams, and each piece is
-  scattered into the pool's slots on the stream that copied it. `load` returns a
-  `torch.cuda.Event` (the `ready` of `connectors.base.Retrieved`) that the engine's forward
-  stream waits on; with `sync=True` it waits itself and returns None.
-- store: the slots are gathered on the GPU into one staging block, then copied
-  device-to-host into the daemon's segment (shm) or pinned staging (pickle).
-
-Why it is shaped this way (measured on an H200, reference/gpu-h200.md): a copy from the
-daemon's mapping runs at 5-7 GB/s pageable and at the link limit (~55 GB/s) once the mapping
-is page-locked with cudaHostRegister, so the segment is registered once per daemon
-registration (`attach`), not per load; copy plus scatter in pieces over two streams reaches
-0.95-0.97 of a plain copy.
-
-Lifetime: the segment is this process's own mapping (`connectors.lmcache_mp._ShmPool`), so a
-daemon that dies mid-copy cannot unmap it; a segment replaced by a re-registration stays
-mapped and registered until no copy reads it any more: a load or store counts on it from
-before its first copy is queued until that copy's completion event is done (`_Segment`).
-Never raises anything but `GpuTransferError` (a ConnectorError: the orchestrator degrades with
-a reason) for CUDA failures; nothing here blocks on the daemon.
-
-Everything except registration and streams also runs with a CPU "device" (tests).
+`LMCacheMPConnector` calls it when the pool lives on a CUDA device: a load copies host chunks
+host-to-device in pieces on two side streams and scatters each into the slots, returning a
+`torch.cuda.Event`; a store gathers on the GPU and copies to the daemon's segment or staging.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import threading
-import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
-from .errors import ConnectorError
+from .gpu_errors import GpuTransferError, cuda_call as _cuda_call
+from .gpu_kernel import pick_kernel as _pick_kernel
+from .gpu_segment import Segment, SegmentHolder, register_host
+from .gpu_staging import STAGING_BUFFERS, STAGING_WAIT_S, PinnedRing
 from .kv_layout import KVLayout
 
-log = logging.getLogger(__name__)
+# Re-exported: callers import the GPU data path's names from here.
+__all__ = ["DEFAULT_PIECES", "PICKLE_PIECE_BYTES", "STAGING_BUFFERS", "STAGING_WAIT_S",
+           "GpuTransfer", "GpuTransferError", "PinnedRing", "Segment", "on_cuda",
+           "pool_device", "register_host"]
 
 #: Pieces a load is split into (each copied, then scattered, on alternating streams).
 DEFAULT_PIECES = 4
 #: Largest pinned staging piece for pickle loads (host memcpy of piece i+1 overlaps DMA of i).
 PICKLE_PIECE_BYTES = 256 << 20
-#: Pinned staging buffers: a pickle load alternates between two while a store owns a third.
-STAGING_BUFFERS = 3
-#: Longest wait for a staging buffer when all are owned (a bug, never a daemon fault).
-STAGING_WAIT_S = 30.0
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-class GpuTransferError(ConnectorError):
-    """A CUDA call failed while moving KV (registration, copy, scatter, gather).
-
-    `reason` is a short machine-readable cause (e.g. "host_register_failed", "copy_failed").
-    The load is degraded: the slots may hold part of it and must be recomputed.
-    """
-
-    def __init__(self, reason: str, detail: str) -> None:
-        self.reason = reason
-        super().__init__(f"GPU transfer failed ({reason}): {detail}")
 
 
 def pool_device(pool) -> torch.device:
@@ -73,133 +37,14 @@ def on_cuda(pool) -> bool:
     return pool_device(pool).type == "cuda"
 
 
-def _cuda_call(reason: str, fn, *args, **kwargs):
-    """Run a torch CUDA operation; RuntimeError (torch's CUDA errors) -> GpuTransferError."""
-    try:
-        return fn(*args, **kwargs)
-    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # AcceleratorError is one
-        raise GpuTransferError(reason, str(exc).splitlines()[0]) from exc
+class GpuTransfer(SegmentHolder):
+    """One connector's GPU data path: the registered segment, side streams, staging.
 
-
-@dataclass
-class _Segment:
-    """The daemon's shared-memory pool as this process maps it, page-locked for DMA.
-
-    Counted while copies read or write it: `users` loads and stores between pinning it and
-    having their completion event, then `pending` events until those completed. A retired
-    segment is unregistered only once both are empty (`idle`)."""
-
-    bytes: torch.Tensor  # uint8 view of the mapping; holding it keeps the mapping alive
-    registered: bool = False
-    users: int = 0
-    pending: list = field(default_factory=list)  # events of copies still reading it
-
-    def contains(self, ptr: int) -> bool:
-        b = self.bytes
-        return b is not None and b.data_ptr() <= ptr < b.data_ptr() + b.numel()
-
-    def hold(self, event) -> None:
-        self.pending = [e for e in self.pending if not e.query()]
-        if event is not None:
-            self.pending.append(event)
-
-    def idle(self) -> bool:
-        self.pending = [e for e in self.pending if not e.query()]
-        return self.users == 0 and not self.pending
-
-    def release(self) -> None:
-        """Wait for the copies still reading it, then unregister and drop the mapping."""
-        for e in self.pending:
-            e.synchronize()
-        self.pending = []
-        if self.registered:
-            err = torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
-            if int(err) != 0:
-                log.warning("cudaHostUnregister of the daemon's segment returned %s", err)
-            self.registered = False
-        self.bytes = None
-
-
-def register_host(t: torch.Tensor) -> None:
-    """Page-lock `t`'s memory in place (cudaHostRegister) so copies from it run at link speed."""
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(err) != 0:
-        raise GpuTransferError("host_register_failed",
-                               f"cudaHostRegister of {t.numel() * t.element_size()} bytes "
-                               f"returned {err}")
-
-
-class _PinnedRing:
-    """Pinned host staging for pickle loads and stores; each buffer has one owner at a time.
-
-    `take` hands out a buffer nobody owns (waiting, bounded, when all are owned) and
-    `give` returns it with the event of the copy still reading or writing it, recorded
-    before the give: the next taker waits for that event before it touches the bytes.
-    A load owns a buffer from its host memcpy until its host-to-device copy is queued; a
-    store from its device-to-host copy until the bytes were copied out of it."""
-
-    def __init__(self, size: int = STAGING_BUFFERS) -> None:
-        self.bufs: list[torch.Tensor | None] = [None] * size
-        self.events: list = [None] * size
-        self.owned: list[bool] = [False] * size
-        self._cond = threading.Condition()
-
-    def _pick(self, nbytes: int) -> int | None:
-        """The best unowned buffer: done and big enough, done, then one still copying."""
-        free = [i for i, o in enumerate(self.owned) if not o]
-        if not free:
-            return None
-
-        def rank(i: int) -> tuple[int, int]:
-            ev, buf = self.events[i], self.bufs[i]
-            done = ev is None or ev.query()
-            return (0 if done else 1, 0 if buf is not None and buf.numel() >= nbytes else 1)
-
-        return min(free, key=rank)
-
-    def take(self, nbytes: int, pin: bool, wait_s: float = STAGING_WAIT_S
-             ) -> tuple[int, torch.Tensor]:
-        """(buffer id, `nbytes` of it), owned by the caller until `give`."""
-        deadline = time.monotonic() + wait_s
-        with self._cond:
-            while (i := self._pick(nbytes)) is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise GpuTransferError("staging_busy", f"every pinned staging buffer "
-                                           f"stayed owned for {wait_s} s")
-                self._cond.wait(left)
-            self.owned[i] = True
-            ev, self.events[i] = self.events[i], None
-        try:
-            if ev is not None:  # the copy that last used it must be done before we write
-                _cuda_call("copy_failed", ev.synchronize)
-            buf = self.bufs[i]
-            if buf is None or buf.numel() < nbytes:
-                self.bufs[i] = None
-                buf = self.bufs[i] = _cuda_call("alloc_failed", torch.empty, nbytes,
-                                                dtype=torch.uint8, pin_memory=pin)
-        except BaseException:
-            self.give(i, None)
-            raise
-        return i, buf[:nbytes]
-
-    def give(self, i: int, event) -> None:
-        """Give buffer `i` back; `event`: the queued copy that still uses it (or None)."""
-        with self._cond:
-            self.events[i] = event
-            self.owned[i] = False
-            self._cond.notify()
-
-    def drain(self) -> None:
-        with self._cond:
-            events, self.events = self.events, [None] * len(self.events)
-        for e in events:
-            if e is not None:
-                e.synchronize()
-
-
-class GpuTransfer:
-    """One connector's GPU data path: the registered segment, side streams, staging."""
+    Copies read the daemon's segment page-locked (cudaHostRegister): pageable memory copies
+    at a fraction of the link's speed. Copy plus scatter run in pieces over two streams so
+    the scatter of one piece overlaps the copy of the next. Never raises anything but
+    `GpuTransferError` for CUDA failures; nothing here blocks on the daemon. Everything but
+    registration and streams also runs with a CPU "device" (tests)."""
 
     def __init__(self, device: torch.device | str, *, pieces: int = DEFAULT_PIECES,
                  sync: bool = False, scatter: str = "auto") -> None:
@@ -215,11 +60,8 @@ class GpuTransfer:
         self.cuda = self.device.type == "cuda"
         self.streams = ([torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)]
                         if self.cuda else [None, None])
-        self.segment: _Segment | None = None
-        self._retired: list[_Segment] = []
-        # Guards segment, _retired and each segment's users (loads run beside registration).
-        self._seg_cond = threading.Condition()
-        self._ring = _PinnedRing()
+        self._init_segments()
+        self._ring = PinnedRing()
         self._tables: dict[tuple, torch.Tensor] = {}
         self._kernel = _pick_kernel(scatter, self.device)
         self._turn = 0  # the side stream the next piece goes to (pieces of one load alternate)
@@ -228,87 +70,11 @@ class GpuTransfer:
     def scatter_impl(self) -> str:
         return "triton" if self._kernel is not None else "torch"
 
-    # -- the daemon's segment --------------------------------------------------
-
-    def attach(self, host_bytes: torch.Tensor | None) -> None:
-        """At every registration: page-lock the daemon's (new) segment, retire the old one.
-
-        `host_bytes` is this process's uint8 mapping of the segment, or None when the daemon
-        offers none (pickle). The same mapping again changes nothing. The new segment is
-        page-locked before it replaces the old one; the old one stays mapped and registered
-        until no copy reads it (`_Segment.users` and `.pending`).
-        """
-        with self._seg_cond:
-            self._reap()
-            cur = self.segment
-            if cur is not None and host_bytes is not None and cur.bytes is not None \
-                    and cur.bytes.data_ptr() == host_bytes.data_ptr() \
-                    and cur.bytes.numel() == host_bytes.numel():
-                return
-        seg = None
-        try:
-            if host_bytes is not None:
-                seg = _Segment(host_bytes)
-                if self.cuda:
-                    register_host(host_bytes)
-                    seg.registered = True
-        finally:
-            with self._seg_cond:
-                if self.segment is not None:
-                    self._retired.append(self.segment)
-                self.segment = seg if seg is None or seg.registered or not self.cuda else None
-                self._reap()
-
-    def _reap(self) -> None:
-        """Unregister the retired segments no copy reads any more (holding `_seg_cond`)."""
-        keep = []
-        for seg in self._retired:
-            if seg.idle():
-                seg.release()
-            else:
-                keep.append(seg)
-        self._retired = keep
-
-    def _pin(self, ptrs: Sequence[int], *, required: bool) -> _Segment | None:
-        """Count a copy into the segment holding every address of `ptrs` (the current one
-        or a retired one still mapped): it is not unregistered until `_unpin`."""
-        with self._seg_cond:
-            self._reap()
-            for seg in ([self.segment] if self.segment is not None else []) + self._retired:
-                if all(seg.contains(p) for p in ptrs):
-                    seg.users += 1
-                    return seg
-        if required:
-            raise GpuTransferError("no_segment", "shared-memory chunks outside every attached "
-                                   "segment (none attached, or it was released)")
-        return None
-
-    def _unpin(self, seg: _Segment | None, event) -> None:
-        """The copy counted by `_pin` is queued: `event` completes once it ran (None: it
-        already has). A retired segment is unregistered once nothing reads it."""
-        if seg is None:
-            return
-        with self._seg_cond:
-            seg.hold(event)
-            seg.users -= 1
-            self._reap()
-            self._seg_cond.notify_all()
-
     def close(self, wait_s: float = 30.0) -> None:
         """Wait for running copies, unregister every segment, free staging."""
-        with self._seg_cond:
-            if self.segment is not None:
-                self._retired.append(self.segment)
-                self.segment = None
-            if not self._seg_cond.wait_for(lambda: all(s.users == 0 for s in self._retired),
-                                           wait_s):
-                log.warning("closing the GPU transfer while a copy still counts on the "
-                            "daemon's segment")
-            for seg in self._retired:
-                seg.release()
-            self._retired = []
+        self._release_segments(wait_s)
         self._ring.drain()
-        self._ring = _PinnedRing()
+        self._ring = PinnedRing()
         self._tables.clear()
 
     # -- streams and events ----------------------------------------------------
@@ -566,75 +332,3 @@ def _copy_chunks(stage: torch.Tensor, src: Sequence[torch.Tensor], non_blocking:
         else:
             stage[k].copy_(t, non_blocking=non_blocking)
         k += run
-
-
-# -- the fused scatter/gather kernel (Triton, where present) -------------------
-
-def _pick_kernel(choice: str, device: torch.device):
-    """The Triton row mover if asked for (or auto) and it checks out byte-exact, else None."""
-    if choice == "torch" or device.type != "cuda":
-        return None
-    try:
-        kernel = _make_triton_kernel()
-        _self_check(kernel, device)
-        return kernel
-    except Exception as exc:  # noqa: BLE001 - any failure means: use the torch path
-        if choice == "triton":
-            raise GpuTransferError("kernel_unavailable", repr(exc)) from exc
-        log.info("GPU scatter: Triton kernel unavailable (%r); using torch index ops", exc)
-        return None
-
-
-def _make_triton_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _kv_rows(stage_ptr, table_ptr, slots_ptr, first, C: tl.constexpr, L2: tl.constexpr,
-                 H: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr):
-        t = tl.program_id(0)  # row of this call (one token)
-        b = tl.program_id(1)  # buffer: kv * L + layer
-        g = t + first  # row in the stage, counting dropped rows
-        chunk = g // C
-        r = g - chunk * C
-        slot = tl.load(slots_ptr + t)
-        base = tl.load(table_ptr + b).to(tl.pointer_type(stage_ptr.dtype.element_ty))
-        srow = stage_ptr + ((chunk * L2 + b) * C + r).to(tl.int64) * H
-        prow = base + slot * H
-        for i in tl.static_range(0, H, BLOCK):
-            offs = i + tl.arange(0, BLOCK)
-            m = offs < H
-            if GATHER:
-                tl.store(srow + offs, tl.load(prow + offs, mask=m), mask=m)
-            else:
-                tl.store(prow + offs, tl.load(srow + offs, mask=m), mask=m)
-
-    def run(stage, table, slots_dev, rows, first, layout: KVLayout, *, gather: bool) -> None:
-        it = _INT_OF_SIZE[layout.dtype.itemsize]
-        hid = layout.hidden_dim
-        block = min(triton.next_power_of_2(hid), 4096)
-        _kv_rows[(rows, 2 * layout.num_layers)](
-            stage.view(it), table, slots_dev, first, C=layout.chunk_size,
-            L2=2 * layout.num_layers, H=hid, BLOCK=block, GATHER=gather)
-
-    return run
-
-
-def _self_check(kernel, device: torch.device) -> None:
-    """A small scatter and gather against torch indexing; raises unless byte-exact."""
-    lay = KVLayout(num_layers=2, num_heads=2, head_dim=8, dtype=torch.bfloat16, chunk_size=4)
-    g = torch.Generator(device="cpu").manual_seed(3)
-    pool = [torch.zeros(32, lay.hidden_dim, dtype=lay.dtype, device=device) for _ in range(4)]
-    stage = torch.randn((2, *lay.chunk_shape), generator=g).to(lay.dtype).to(device)
-    slots = torch.randperm(32, generator=g)[:7].to(device)  # first = 1: drops one row
-    table = torch.tensor([t.data_ptr() for t in pool], dtype=torch.int64, device=device)
-    kernel(stage, table, slots, 7, 1, lay, gather=False)
-    rows = stage.permute(1, 2, 0, 3, 4).reshape(4, 8, lay.hidden_dim)[:, 1:]
-    for b in range(4):
-        if not torch.equal(pool[b][slots], rows[b]):
-            raise RuntimeError("Triton scatter self-check mismatch")
-    back = torch.zeros_like(stage)
-    kernel(back, table, torch.cat([slots[:1], slots]), 8, 0, lay, gather=True)
-    back_rows = back.permute(1, 2, 0, 3, 4).reshape(4, 8, lay.hidden_dim)
-    if not torch.equal(back_rows[:, 1:], rows):
-        raise RuntimeError("Triton gather self-check mismatch")

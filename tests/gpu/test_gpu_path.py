@@ -254,10 +254,10 @@ def test_a_segment_retired_mid_load_stays_page_locked_until_the_copy_ran(conns, 
 
 
 def test_a_suspect_reregistration_does_not_page_lock_again(shm_daemon, conns, monkeypatch):
-    import lmcache_loadback.connectors.gpu_transfer as gt
+    import lmcache_loadback.connectors.gpu_segment as gseg
     calls = []
-    real = gt.register_host
-    monkeypatch.setattr(gt, "register_host", lambda t: (calls.append(t), real(t))[1])
+    real = gseg.register_host
+    monkeypatch.setattr(gseg, "register_host", lambda t: (calls.append(t), real(t))[1])
     conn = conns(shm_daemon, _layout())
     assert len(calls) == 1  # registration page-locked the segment once
     calls.clear()

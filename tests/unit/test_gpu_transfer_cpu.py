@@ -277,8 +277,8 @@ def test_staging_is_handed_out_again_only_after_the_copy_that_used_it():
     """Given back with its copy's event, a buffer is written by the next owner only once
     that event completed; with every buffer owned, a taker waits (bounded), then fails
     typed."""
-    from lmcache_loadback.connectors.gpu_transfer import _PinnedRing
-    ring = _PinnedRing(size=1)
+    from lmcache_loadback.connectors.gpu_staging import PinnedRing
+    ring = PinnedRing(size=1)
     i, buf = ring.take(8, pin=False)
     ev = _Ev()
     ring.give(i, ev)  # the copy reading it is queued, not done
