@@ -1,36 +1,34 @@
-"""Every Prometheus instrument of lmcache-loadback, declared in one place.
+"""Every `loadback_*` Prometheus instrument, declared in one place (`LoadbackMetrics`).
 
-Who calls what:
-- `orchestrator.LoadBackOrchestrator` builds one `LoadbackMetrics` (passing its own enums'
-  label values, so this package never imports `orchestrator`) and calls the small methods
-  below on every state change; the hot paths only do dict lookups and `inc()`/`set()`.
-- `metrics.server.start_metrics_server` serves `LoadbackMetrics.registry` on `/metrics`.
-- The SGLang hook sets its worker queue depths and times the scheduler thread's waits;
-  `orchestrator.factory` names the daemon (`daemon_info`) and `watch`es what the daemon link
-  and the transport own (owed releases, registration epoch, dropped fences), read at every
-  scrape and every heartbeat (`set_daemon_up`). `loadback status` reads all of it back.
-- Tests and the chaos harness call `snapshot()` to reconcile counters against outcomes.
-
-Label values come from closed sets given to `__init__`; every labelled child is created
-there, so absent series read 0 and an unknown label value raises `UnknownLabelError`
-(a KeyError and a ValueError) instead of silently creating a new series.
-
-Multiprocess mode (`PROMETHEUS_MULTIPROC_DIR` set before prometheus_client is imported):
-instruments are not registered anywhere (prometheus_client writes them to mmap files) and
-`registry` is a read-only view through `MultiProcessCollector`. Use one `LoadbackMetrics`
-per process in that mode: two instances in one process would overwrite each other's files.
+The orchestrator calls its small methods on every state change (dict lookups and `inc()`);
+`metrics.server` serves its registry; tests and the chaos harness reconcile `snapshot()`.
 """
 from __future__ import annotations
 
 import itertools
-import os
-import threading
 import time
-from enum import Enum
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import multiprocess
+
+from .labels import (
+    BREAKER_STATES,
+    DURATION_BUCKETS,
+    LOADED_REASON,
+    LOOKUP_RESULTS,
+    OUTCOME_STATES,
+    RELEASES,
+    STORE_QUEUE_LIMIT,
+    TRANSFER_MODES,
+    UnknownLabelError,
+    find_child,
+    label_of,
+    label_set,
+    multiprocess_enabled,
+    unknown_label,
+)
+from .operator_view import OperatorView, _Refresher
 
 __all__ = [
     "LoadbackMetrics",
@@ -40,76 +38,20 @@ __all__ = [
     "BREAKER_STATES",
     "OUTCOME_STATES",
     "LOADED_REASON",
+    "RELEASES",
+    "TRANSFER_MODES",
     "multiprocess_enabled",
     "STORE_QUEUE_LIMIT",
 ]
 
-# Log-spaced 0.1 ms .. 60 s (20 buckets); 0.75 refines p99 around the ~0.64 s alert threshold.
-DURATION_BUCKETS: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-    0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
-)
-LOOKUP_RESULTS: tuple[str, ...] = ("hit", "miss", "error", "skipped")
-BREAKER_STATES: dict[str, int] = {"closed": 0, "half_open": 1, "open": 2}
-TRANSFER_MODES: tuple[str, ...] = ("shm", "pickle")
-#: The releases the daemon can be owed (the `what` of loadback_releases_failed_total).
-RELEASES: tuple[str, ...] = ("free_locks", "settle_lookup", "commit_retrieve", "end_session")
-OUTCOME_STATES: tuple[str, ...] = ("loaded", "degraded")
-LOADED_REASON = "none"
-#: The hook's store worker bound (`StoreWorker.max_queued`), the store queue limit gauge's
-#: value until the hook sets its own.
-STORE_QUEUE_LIMIT = 64
 
+class LoadbackMetrics(OperatorView):
+    """All `loadback_*` instruments, with every labelled child pre-created.
 
-class UnknownLabelError(KeyError, ValueError):
-    """A label value outside the closed set given to LoadbackMetrics (a programming error)."""
-
-
-def multiprocess_enabled() -> bool:
-    """True when prometheus_client writes values to mmap files (one process per TP rank)."""
-    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir"))
-
-
-def _label(value: object) -> str:
-    # Orchestrator enums may be passed as-is; their .value is the label.
-    return str(value.value) if isinstance(value, Enum) else str(value)
-
-
-def _labels(values: Iterable[object], what: str) -> tuple[str, ...]:
-    out = tuple(dict.fromkeys(_label(v) for v in values))
-    if not out:
-        raise ValueError(f"LoadbackMetrics needs at least one {what}")
-    return out
-
-
-def _unknown(what: str, value: object, known: Iterable[object]) -> UnknownLabelError:
-    return UnknownLabelError(f"unknown {what} {value!r}; known: {sorted(map(str, known))}")
-
-
-def _lookup(children: dict, key, what: str, normalize):
-    """Slow path after a dict miss: accept enums, else raise UnknownLabelError."""
-    norm = normalize(key)
-    if norm in children:
-        return children[norm]
-    raise _unknown(what, key, children)
-
-
-class _Refresher:
-    """A collector with no series of its own: reads the watched values at every scrape."""
-
-    def __init__(self, metrics: "LoadbackMetrics") -> None:
-        self._metrics = metrics
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        self._metrics.refresh()
-        return []
-
-
-class LoadbackMetrics:
-    """All `loadback_*` instruments, with every labelled child pre-created."""
+    Label values come from closed sets given to `__init__` (the orchestrator passes its own
+    enums' values, so this package never imports `orchestrator`): absent series read 0 and an
+    unknown label value raises `UnknownLabelError` instead of creating a new series.
+    """
 
     def __init__(
         self,
@@ -120,15 +62,28 @@ class LoadbackMetrics:
         registry: CollectorRegistry | None = None,
         transitions: Sequence[tuple[str, str]] | None = None,
     ) -> None:
-        self.states = _labels(states, "state")
-        self.reasons = _labels(reasons, "reason")
-        self.ops = _labels(ops, "op")
+        self.states = label_set(states, "state")
+        self.reasons = label_set(reasons, "reason")
+        self.ops = label_set(ops, "op")
         self.multiprocess = multiprocess_enabled()
         #: Wall clock of `loadback_last_degraded_timestamp_seconds` (tests pin it).
         self.wall_clock: Callable[[], float] = time.time
-        self._watched: dict[str, Callable[[], object]] = {}
-        self._fences_seen = 0
-        self._refresh_lock = threading.Lock()
+        self._init_watch()
+        reg = self._setup_registry(registry)
+        # Label names are declared sorted so exposition matches Prometheus' canonical order.
+        self._declare_outcomes(reg, transitions)
+        self._declare_daemon_calls(reg)
+        self._declare_daemon_state(reg)
+        self._declare_operator_view(reg)
+
+    def _setup_registry(self, registry: CollectorRegistry | None) -> CollectorRegistry | None:
+        """Set `self.registry`; returns the registry instruments register in (None: none).
+
+        Multiprocess mode (`PROMETHEUS_MULTIPROC_DIR` set before prometheus_client is
+        imported): instruments are not registered anywhere (prometheus_client writes them to
+        mmap files) and `registry` is a read-only view through `MultiProcessCollector`. Use
+        one `LoadbackMetrics` per process in that mode: two would overwrite each other's files.
+        """
         if self.multiprocess:
             # Values live in mmap files; registering would duplicate them, so read them back.
             if registry is None:
@@ -142,16 +97,18 @@ class LoadbackMetrics:
             # the instruments are collected. (Multiprocess mode: the heartbeat does, below.)
             registry.register(_Refresher(self))
         self.registry = registry
+        return reg
 
-        # Label names are declared sorted so exposition matches Prometheus' canonical order.
+    def _declare_outcomes(self, reg, transitions) -> None:
+        """Transitions, terminal outcomes, recomputed and loaded tokens and bytes."""
         c_trans = Counter("loadback_prefix_transitions_total",
                           "Prefix state-machine transitions.", ["dst", "src"], registry=reg)
         pairs = (itertools.product(self.states, self.states) if transitions is None
-                 else [(_label(s), _label(d)) for s, d in transitions])
+                 else [(label_of(s), label_of(d)) for s, d in transitions])
         self._transition: dict[tuple[str, str], Counter] = {}
         for src, dst in pairs:
             if src not in self.states or dst not in self.states:
-                raise _unknown("transition state", (src, dst), self.states)
+                raise unknown_label("transition state", (src, dst), self.states)
             self._transition[(src, dst)] = c_trans.labels(dst=dst, src=src)
 
         g_last = Gauge("loadback_last_degraded_timestamp_seconds",
@@ -179,6 +136,8 @@ class LoadbackMetrics:
                                        "Tokens match() reported as loadable (counted when the prefix settles).",
                                        registry=reg)
 
+    def _declare_daemon_calls(self, reg) -> None:
+        """LOOKUPs and RETRIEVEs, retries and timeouts by op."""
         c_lookups = Counter("loadback_lookups_total", "LOOKUPs by result.", ["result"], registry=reg)
         self._lookups = {r: c_lookups.labels(result=r) for r in LOOKUP_RESULTS}
         self.lookup_duration = Histogram("loadback_lookup_duration_seconds",
@@ -194,6 +153,9 @@ class LoadbackMetrics:
         self._retries = {o: c_retries.labels(op=o) for o in self.ops}
         self._timeouts = {o: c_timeouts.labels(op=o) for o in self.ops}
 
+    def _declare_daemon_state(self, reg) -> None:
+        """The breaker, the daemon's liveness, live prefixes, registrations, late replies,
+        stale and failed releases, the transfer mode, expired prepares, the config."""
         # livemax: the worst rank's breaker shows; dead ranks drop out.
         self.breaker_state = Gauge("loadback_breaker_state",
                                    "Circuit breaker toward the daemon: 0 closed, 1 half_open, 2 open.",
@@ -240,49 +202,6 @@ class LoadbackMetrics:
                                               "Config reloads rejected (the previous config stays).",
                                               registry=reg)
 
-        # ---- the operator's view (`loadback status`): queues, waits, debts, the daemon ----
-        def gauge(name: str, doc: str, mode: str) -> Gauge:
-            return Gauge(name, doc, registry=reg, multiprocess_mode=mode)
-
-        # The SGLang hook's worker queues (set where it submits and settles a job). Store:
-        # livemax, the bound is per rank, so the fullest rank's queue is the one to watch.
-        self.lookup_queue = gauge("loadback_lookup_queue_depth", "LOOKUPs handed to the hook's "
-                                  "worker thread and not yet settled (queued or running).",
-                                  "livesum")
-        self.store_queue = gauge("loadback_store_queue_depth", "STOREs queued or running on the "
-                                 "hook's store worker; each holds a tree lock on its slots.",
-                                 "livemax")
-        self.store_queue_limit = gauge("loadback_store_queue_limit", "The store worker's bound: a "
-                                       "store finding this many queued is skipped "
-                                       "(loadback_stores_skipped_total).", "livemin")
-        self.store_queue_limit.set(STORE_QUEUE_LIMIT)
-        self.stores_skipped = Counter("loadback_stores_skipped_total", "STOREs not queued "
-                                      "because the store queue was at its bound (the prefix is "
-                                      "not saved to the daemon).", registry=reg)
-        self.scheduler_wait = Histogram(
-            "loadback_scheduler_wait_seconds",
-            "Time the engine's scheduler thread spent in one call that may wait on the daemon "
-            "(match, re-derive or load_back of a request).",
-            buckets=DURATION_BUCKETS, registry=reg)
-        # Read from the orchestrator at every heartbeat and scrape (`watch`, `refresh`).
-        # Epoch: livemin, a rank not registered (-1) shows.
-        self.pending_debts = gauge("loadback_owed_releases", "Releases owed to the daemon and "
-                                   "not yet paid (lock frees, settles, commits, session ends).",
-                                   "livesum")
-        self.fences_dropped = Counter("loadback_fences_dropped_total", "Timed-out sockets closed "
-                                      "(over the transport's retired limit) before their fence "
-                                      "answered: whether the daemon served their call is never "
-                                      "known.", registry=reg)
-        self.registered_epoch = gauge("loadback_registered_epoch", "Connection epoch (daemon "
-                                      "incarnation as this process counts them) of the current "
-                                      "registration; -1 when not registered.", "livemin")
-        self.registered_epoch.set(-1)
-        self._daemon_info = Gauge("loadback_daemon_info",
-                                  "1 for the daemon this orchestrator talks to (endpoint) and "
-                                  "its configured transfer setting (auto, shm, pickle).",
-                                  ["endpoint", "transfer"], registry=reg,
-                                  multiprocess_mode="livemax")
-
     # ---- hot-path methods (called by the orchestrator) ----
 
     def transition(self, src: str, dst: str) -> None:
@@ -291,8 +210,8 @@ class LoadbackMetrics:
         try:
             child = self._transition[key]
         except KeyError:
-            child = _lookup(self._transition, key, "transition",
-                            lambda k: (_label(k[0]), _label(k[1])))
+            child = find_child(self._transition, key, "transition",
+                               lambda k: (label_of(k[0]), label_of(k[1])))
         child.inc()
 
     def outcome(self, state: str, reason: str | None, promised_tokens: int = 0,
@@ -307,15 +226,15 @@ class LoadbackMetrics:
         try:
             child = self._outcome[key]
         except KeyError:
-            child = _lookup(self._outcome, key, "outcome (state, reason)",
-                            lambda k: (_label(k[0]), _label(k[1])))
+            child = find_child(self._outcome, key, "outcome (state, reason)",
+                               lambda k: (label_of(k[0]), label_of(k[1])))
         child.inc()
-        if _label(key[0]) != "loaded":
-            self._last_degraded[_label(key[1])].set(self.wall_clock())
+        if label_of(key[0]) != "loaded":
+            self._last_degraded[label_of(key[1])].set(self.wall_clock())
         if promised_tokens:
             self.promised_tokens.inc(promised_tokens)
-            if _label(key[0]) != "loaded":
-                self._recomputed[_label(key[1])].inc(promised_tokens)
+            if label_of(key[0]) != "loaded":
+                self._recomputed[label_of(key[1])].inc(promised_tokens)
         if loaded_tokens:
             self.loaded_tokens.inc(loaded_tokens)
         if loaded_bytes:
@@ -326,7 +245,7 @@ class LoadbackMetrics:
         try:
             child = self._lookups[result]
         except KeyError:
-            child = _lookup(self._lookups, result, "lookup result", _label)
+            child = find_child(self._lookups, result, "lookup result", label_of)
         child.inc()
         if seconds is not None and result != "skipped":
             self.lookup_duration.observe(seconds)
@@ -339,21 +258,21 @@ class LoadbackMetrics:
         try:
             child = self._retries[op]
         except KeyError:
-            child = _lookup(self._retries, op, "op", _label)
+            child = find_child(self._retries, op, "op", label_of)
         child.inc()
 
     def timeout(self, op: str) -> None:
         try:
             child = self._timeouts[op]
         except KeyError:
-            child = _lookup(self._timeouts, op, "op", _label)
+            child = find_child(self._timeouts, op, "op", label_of)
         child.inc()
 
     def breaker(self, state_name: str) -> None:
         """Set the breaker gauge; count a transition only when the state actually changes."""
-        name = _label(state_name)
+        name = label_of(state_name)
         if name not in BREAKER_STATES:
-            raise _unknown("breaker state", state_name, BREAKER_STATES)
+            raise unknown_label("breaker state", state_name, BREAKER_STATES)
         self.breaker_state.set(BREAKER_STATES[name])
         if name != self._breaker_now:
             self._breaker_now = name
@@ -369,7 +288,7 @@ class LoadbackMetrics:
         try:
             child = self._live[state]
         except KeyError:
-            child = _lookup(self._live, state, "state", _label)
+            child = find_child(self._live, state, "state", label_of)
         child.set(n)
 
     def live_delta(self, state: str, delta: int) -> None:
@@ -377,7 +296,7 @@ class LoadbackMetrics:
         try:
             child = self._live[state]
         except KeyError:
-            child = _lookup(self._live, state, "state", _label)
+            child = find_child(self._live, state, "state", label_of)
         child.inc(delta)
 
     def reregistered(self) -> None:
@@ -392,7 +311,7 @@ class LoadbackMetrics:
     def release_failed(self, what: str) -> None:
         """Count one owed release given up unpaid (`what`: one of RELEASES)."""
         children = self._releases_failed
-        (children.get(what) or _lookup(children, what, "release", _label)).inc()
+        (children.get(what) or find_child(children, what, "release", label_of)).inc()
 
     def prepared_expired(self) -> None:
         self.prepared_expired_total.inc()
@@ -400,7 +319,7 @@ class LoadbackMetrics:
     def transfer_mode(self, mode: str) -> None:
         """Set at every registration: the chosen mode 1, the others 0."""
         if mode not in self._transfer:
-            raise _unknown("transfer mode", mode, TRANSFER_MODES)
+            raise unknown_label("transfer mode", mode, TRANSFER_MODES)
         for m, g in self._transfer.items():
             g.set(1 if m == mode else 0)
 
@@ -409,61 +328,6 @@ class LoadbackMetrics:
 
     def config_reload_failed(self) -> None:
         self.config_reload_failures.inc()
-
-    # ---- the operator's view (hook, factory) ----
-
-    def queue_depth(self, which: str, n: int) -> None:
-        """The hook's worker queue depth: `which` is "lookup" or "store"."""
-        if which == "lookup":
-            self.lookup_queue.set(n)
-        elif which == "store":
-            self.store_queue.set(n)
-        else:
-            raise _unknown("queue", which, ("lookup", "store"))
-
-    def store_skipped(self) -> None:
-        self.stores_skipped.inc()
-
-    def observe_scheduler_wait(self, seconds: float) -> None:
-        self.scheduler_wait.observe(seconds)
-
-    def daemon_info(self, endpoint: str, transfer: str) -> None:
-        """Set once when the orchestrator is built: the one daemon it talks to."""
-        self._daemon_info.labels(endpoint=str(endpoint), transfer=str(transfer)).set(1)
-
-    def watch(self, *, pending_debts: Callable[[], int] | None = None,
-              fences_dropped: Callable[[], int] | None = None,
-              registered_epoch: Callable[[], int | None] | None = None) -> None:
-        """Values owned elsewhere (the daemon link, the transport), read at `refresh`:
-        pending_debts -> loadback_owed_releases, fences_dropped (a monotonic count) ->
-        loadback_fences_dropped_total, registered_epoch (None: not registered) ->
-        loadback_registered_epoch."""
-        for name, fn in (("pending_debts", pending_debts), ("fences_dropped", fences_dropped),
-                         ("registered_epoch", registered_epoch)):
-            if fn is not None:
-                self._watched[name] = fn
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Read the watched values into their series (each scrape, each heartbeat). A value
-        that cannot be read (its owner closed) keeps its last one: a scrape never fails."""
-        if not self._watched:
-            return
-        with self._refresh_lock:
-            for name, fn in self._watched.items():
-                try:
-                    value = fn()
-                except Exception:  # noqa: BLE001 - the owner is closing: keep the last value
-                    continue
-                if name == "pending_debts":
-                    self.pending_debts.set(int(value or 0))
-                elif name == "registered_epoch":
-                    self.registered_epoch.set(-1 if value is None else int(value))
-                else:
-                    now = int(value or 0)
-                    if now > self._fences_seen:
-                        self.fences_dropped.inc(now - self._fences_seen)
-                    self._fences_seen = now
 
     # ---- reading back (tests, chaos harness) ----
 
@@ -485,18 +349,3 @@ class LoadbackMetrics:
         """Start a /metrics server for this registry (see metrics.server)."""
         from lmcache_loadback.metrics.server import start_metrics_server
         return start_metrics_server(host=host, port=port, registry=self.registry)
-
-    # ---- registration refusals (the daemon link) ----
-
-    def daemon_refused(self, reason: str, refused: bool) -> None:
-        """`loadback_daemon_refused{reason}`: 1 while the daemon is refused at registration
-        for `reason` (chunk_size: its --chunk-size is not the config's), else 0. The gauge is
-        made at the first call (the daemon link's construction)."""
-        gauge = self.__dict__.get("_refused_gauge")
-        if gauge is None:
-            gauge = self._refused_gauge = Gauge(
-                "loadback_daemon_refused", "1 while the daemon is refused at registration "
-                "for this reason (every request recomputes), else 0.", ["reason"],
-                registry=None if self.multiprocess else self.registry,
-                multiprocess_mode="livemax")
-        gauge.labels(reason=reason).set(1 if refused else 0)
