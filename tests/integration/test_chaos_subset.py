@@ -9,7 +9,8 @@ import time
 import pytest
 
 from lmcache_loadback.harness import chaos
-from lmcache_loadback.harness.chaos import _leaks, load_scenarios, run_scenario
+from lmcache_loadback.harness.chaos import load_scenarios, run_scenario
+from lmcache_loadback.harness.chaos_judge import count_leaks
 from lmcache_loadback.harness.workload import Engine
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(300)]
@@ -129,6 +130,6 @@ def test_leak_check_inspects_only_after_the_daemon_served_everything_sent_to_it(
 
     lane = type("Lane", (), {"orch": Orch(), "conn": Conn(),
                              "slots": type("S", (), {"outstanding": 0})()})()
-    live, (by_engine,) = _leaks([lane], daemon, settle_s=2.0)
+    live, (by_engine,) = count_leaks([lane], daemon, settle_s=2.0)
     assert live["sessions"] == 1 and live["unanswered_calls"] == 0
     assert by_engine["unanswered_calls"] == 0
