@@ -1,7 +1,8 @@
 """Deadline-keeping request/reply over ZMQ to the LMCache daemon.
 
 The transport knows frames, sockets and deadlines; it knows nothing about retries,
-breakers or metrics (callers read `late_replies` and `epoch`).
+breakers or metrics. Callers read what it counted: `late_replies`, `fences_dropped`,
+`epoch` (the daemon incarnation) and `unanswered()`.
 
 Design choices, each answering one of the daemon's traps:
 - One DEALER per calling thread, never shared: a slow or blocked call in one thread
@@ -10,12 +11,15 @@ Design choices, each answering one of the daemon's traps:
   the daemon is down are refused at once (DaemonUnavailable) instead of being delivered
   to whatever daemon binds the port next.
 - After a timeout the socket is retired, never used for a call again (so a late reply
-  can never reach a later call), and a harmless fence request is sent behind the
+  can never reach a later call), and a fence (a harmless request) is sent behind the
   abandoned one on it. The daemon serves a connection's requests of one place in order
   (`wire.OP_PLACES`), so the fence's reply proves the abandoned request was served or
   dropped: until then it counts in `unanswered()` (a served prepare_retrieve or lookup
-  re-creates its request's session, so ending that session must wait). Retired sockets
-  of an older daemon (`epoch`) are closed: what was queued there died with it.
+  re-creates its request's session, so ending that session must wait). An unanswered
+  fence is sent again, backing off, so a peer that swallowed one answers a later one.
+  Past `MAX_RETIRED` retired sockets the oldest is closed unanswered (`fences_dropped`).
+  Retired sockets of an older daemon incarnation (`epoch`) are closed: what was queued
+  there died with it.
 - `CONNECT_TIMEOUT`, `RECONNECT_IVL(_MAX)`: TCP connects never inherit the OS timeout.
 - A sentinel socket with a ZMQ monitor counts (re)connections: `epoch` increases when a
   new daemon process accepts us after a disconnect, which is how a restart is noticed.
