@@ -1,25 +1,6 @@
 """`loadback tune --daemon HOST:PORT --model-config config.json`: measure a running LMCache
-daemon with the model's KV layout, recommend a config.
-
-The KV layout comes from the model: `--model-config` (a Hugging Face config.json:
-num_hidden_layers, num_key_value_heads, head_dim or hidden_size / num_attention_heads,
-torch_dtype; KV heads divided by `--tp-size`, as each rank registers its share) or
-`--server URL` of a running SGLang server (its /model_info names the model directory, whose
-config.json is read; its /server_info gives tp_size and kv_cache_dtype). Tune connects to the
-daemon, reads its chunk size, registers that layout, stores one random prefix of 1, 4, 16 and
-64 chunks (each capped below 64 MiB of KV), then times `--requests` LOOKUPs and RETRIEVEs
-(into a random permutation of pool slots) per size. From the p99s and p50s it fits
-retrieve_ms = a + b * tokens/1024 (statistics.linear_regression), and recommends deadlines,
-retries and break-even values, each printed beside the measurement it came from; `--out`
-gets a YAML that `LoadBackConfig.from_yaml` accepts (checked before it is written), its
-header recording the layout and where it came from; `--json` gets the raw measurements.
-Every call has a 10 s timeout and the whole run a 120 s budget: past it, measuring stops
-and the report says so. The prefixes are stored under model name `loadback-tune`, apart from
-the engine's cache.
-
-Exit codes (`orchestrator.exit_codes`): 0 ok; 1 nothing could be measured; 69 the daemon
-cannot be reached; 64 bad usage (a malformed --daemon, or a model config / server that gives
-no KV layout).
+daemon with the model's KV layout (harness/tune_layout.py), fit retrieve time to prefix size,
+and recommend a config (deadlines, retries, break-even), each value beside its measurement.
 """
 
 from __future__ import annotations
@@ -34,10 +15,7 @@ import random
 import statistics
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import yaml
@@ -46,13 +24,23 @@ from lmcache_loadback.connectors.errors import ConnectorError, VersionSkew
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from lmcache_loadback.connectors.wire import PROTOCOL_VERSION
-
-from .bench.common import fmt, median, percentile, print_table, progress_bar, write_json
 from lmcache_loadback.orchestrator.config import ConfigError, LoadBackConfig
 from lmcache_loadback.orchestrator.exit_codes import EXIT_FAILED, EXIT_USAGE
 from lmcache_loadback.orchestrator.exit_codes import EXIT_UNAVAILABLE as EXIT_UNREACHABLE
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+from .bench.common import fmt, median, percentile, print_table, progress_bar, write_json
+from .tune_layout import (
+    DTYPES,
+    LayoutError,
+    ModelLayout,
+    layout_from_model_config,
+    layout_from_server,
+    resolve_layout,
+)
+
+__all__ = ["DTYPES", "LayoutError", "ModelLayout", "Size", "fit", "layout_from_model_config",
+           "layout_from_server", "measure", "recommend", "render_yaml", "resolve_layout", "run"]
+
 SIZES_CHUNKS = (1, 4, 16, 64)
 TYPICAL_CHUNKS = 16
 MAX_PREFIX_BYTES = 64 << 20
@@ -75,98 +63,6 @@ class Size:
     nbytes: int = 0
     misses: int = 0
     errors: list[str] = field(default_factory=list)
-
-
-class LayoutError(ValueError):
-    """The model config (or server) gives no usable KV layout; the message names the fix."""
-
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """One rank's KV layout of the served model, and where it was read."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    source: str
-
-    def kv_layout(self, chunk_size: int) -> KVLayout:
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, DTYPES[self.dtype],
-                        chunk_size)
-
-    def describe(self) -> str:
-        return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} "
-                f"head_dim {self.dtype}")
-
-
-def layout_from_model_config(path: str | os.PathLike, tp_size: int = 1,
-                             kv_dtype: str | None = None) -> ModelLayout:
-    """Read one rank's KV layout from a Hugging Face config.json (text models, MHA/GQA)."""
-    fix = "pass the model's config.json (--model-config DIR/config.json)"
-    try:
-        cfg = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise LayoutError(f"model config {path}: cannot read it as JSON ({exc}); {fix}") from None
-    if not isinstance(cfg, dict):
-        raise LayoutError(f"model config {path}: expected a JSON object; {fix}")
-    cfg = cfg.get("text_config") or cfg  # multimodal configs nest the language model's
-
-    def whole(key: str, value) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise LayoutError(f"model config {path}: {key} is {value!r}, expected a whole "
-                              f"number > 0; {fix}")
-        return value
-
-    def need(key: str) -> int:
-        if key not in cfg:
-            raise LayoutError(f"model config {path}: no {key!r}; {fix}")
-        return whole(key, cfg[key])
-
-    layers = need("num_hidden_layers")
-    heads = need("num_attention_heads")
-    kv_heads = whole("num_key_value_heads", cfg.get("num_key_value_heads", heads))
-    head_dim = (whole("head_dim", cfg["head_dim"]) if cfg.get("head_dim") is not None
-                else need("hidden_size") // heads)
-    dtype = kv_dtype if kv_dtype not in (None, "auto") else (
-        cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
-    dtype = str(dtype).removeprefix("torch.")
-    if dtype not in DTYPES:
-        raise LayoutError(f"model config {path}: KV dtype {dtype!r} is not one of "
-                          f"{sorted(DTYPES)}; {fix}")
-    if tp_size < 1 or kv_heads % tp_size:
-        raise LayoutError(f"--tp-size {tp_size} does not divide num_key_value_heads {kv_heads} "
-                          f"of {path}; pass the server's tensor-parallel size")
-    return ModelLayout(layers, kv_heads // tp_size, head_dim, dtype,
-                       f"{path}" + (f", tp_size {tp_size}" if tp_size > 1 else ""))
-
-
-def _get_json(url: str, timeout_s: float) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return json.loads(resp.read().decode())
-
-
-def layout_from_server(url: str, timeout_s: float = 5.0) -> ModelLayout:
-    """The layout of the model a running SGLang server serves: /model_info names its model
-    directory (config.json is read from there), /server_info gives tp_size and kv_cache_dtype."""
-    base = url.rstrip("/")
-    try:
-        info = _get_json(f"{base}/model_info", timeout_s)
-        server = _get_json(f"{base}/server_info", timeout_s)
-    except (OSError, ValueError) as exc:
-        raise LayoutError(f"--server {url}: cannot read /model_info and /server_info ({exc}); "
-                          "pass the URL of a running SGLang server, or --model-config "
-                          "config.json") from None
-    model_path = info.get("model_path") or server.get("model_path")
-    config = Path(str(model_path)) / "config.json"
-    if not model_path or not config.is_file():
-        raise LayoutError(f"--server {url}: its model {model_path!r} is not a local directory "
-                          "with a config.json (a hub name is not read here); pass "
-                          "--model-config PATH/config.json")
-    tp = server.get("tp_size") or 1
-    layout = layout_from_model_config(config, int(tp), server.get("kv_cache_dtype"))
-    return ModelLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                       f"{config} (served at {url}, tp_size {tp})")
 
 
 def _parse_daemon(addr: str) -> tuple[str, int]:
@@ -340,40 +236,77 @@ def render_yaml(host: str, port: int, chunk: int, recs, header: list[str]) -> st
     return "\n".join(lines) + "\n"
 
 
-def _unreachable(host: str, port: int, endpoint: str, exc: Exception) -> int:
+def _unreachable(host: str, port: int, endpoint: str, exc: Exception) -> None:
+    """Say why the daemon cannot be used, and how to fix it."""
     addr = f"{host}:{port}"
     fix = (f"install lmcache=={PROTOCOL_VERSION} on the daemon's side" if isinstance(exc, VersionSkew)
            else f"start the daemon there (python -m lmcache.v1.multiprocess.server --host {host} "
                 f"--port {port} --chunk-size N) or pass the address it listens on: --daemon HOST:PORT")
     print(f"error: cannot use the LMCache daemon at {addr} ({endpoint}) within "
           f"{CONNECT_TIMEOUT_S:g} s: {type(exc).__name__}: {exc}\nfix: {fix}", file=sys.stderr)
-    return EXIT_UNREACHABLE
 
 
-def resolve_layout(args: argparse.Namespace) -> ModelLayout:
-    """The KV layout from --model-config or --server (exactly one is required)."""
-    model_config, server = getattr(args, "model_config", None), getattr(args, "server", None)
-    if bool(model_config) == bool(server):
-        raise LayoutError("tune needs the model's KV layout: pass exactly one of "
-                          "--model-config PATH/config.json or --server URL (a running SGLang "
-                          "server)")
-    if server:
-        return layout_from_server(server)
-    return layout_from_model_config(model_config, int(getattr(args, "tp_size", 1) or 1))
+@dataclass
+class _Measured:
+    """What the daemon answered: its chunk size, the layout registered, the samples."""
+
+    chunk: int
+    layout: KVLayout
+    layout_txt: str
+    sizes: list[Size]
+    stopped: bool
+    spent: float
 
 
 def run(args: argparse.Namespace) -> int:
+    """Connect, read the daemon's chunk size, register the model's layout, store one random
+    prefix of 1, 4, 16 and 64 chunks (each capped below 64 MiB of KV) under model name
+    `loadback-tune` (apart from the engine's cache), time `--requests` LOOKUPs and RETRIEVEs
+    (into random pool slots) per size, fit retrieve_ms = a + b * tokens/1024 to the p99s and
+    p50s, and write the recommended YAML to `--out` (validated first; its header records
+    the layout and where it came from), the raw measurements to `--json`. Every call has a
+    10 s timeout and the whole run a 120 s budget: past it, measuring stops, said in the
+    report. Exit codes (`orchestrator.exit_codes`): 0 ok; 1 nothing could be measured; 69
+    the daemon cannot be reached; 64 bad usage (a malformed --daemon, no KV layout)."""
     try:
         host, port = _parse_daemon(args.daemon)
+        model = resolve_layout(args)  # LayoutError is a ValueError too
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    try:
-        model = resolve_layout(args)
-    except LayoutError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     requests = max(1, int(args.requests))
+    addr = f"{host}:{port}"
+    m = _measure_daemon(host, port, model, requests)
+    if m is None:
+        return EXIT_UNREACHABLE
+    _print_measured(m, requests)
+    if not any(s.retrieve_ms for s in m.sizes):
+        print(f"error: no RETRIEVE of the daemon at {addr} succeeded; nothing to recommend "
+              "(see the errors above)", file=sys.stderr)
+        return EXIT_FAILED
+    fits, recs = recommend(m.sizes, m.chunk, args.prefill_tokens_per_s)
+    _print_recommended(fits, recs)
+    text = render_yaml(host, port, m.chunk, recs, _header(addr, model, m, requests))
+    try:
+        LoadBackConfig.from_dict(yaml.safe_load(text), source=args.out)  # before writing
+    except (ConfigError, yaml.YAMLError) as exc:
+        print(f"error: the recommended config does not validate: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    tmp = f"{args.out}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}")
+    if getattr(args, "json", None):
+        write_json(args.json, _raw(addr, model, m, requests, fits, recs))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _measure_daemon(host: str, port: int, model: ModelLayout, requests: int
+                    ) -> _Measured | None:
+    """Register the model's layout at the daemon's chunk size and measure every size; None
+    (said why) when the daemon cannot be used."""
     endpoint, addr = f"tcp://{host}:{port}", f"{host}:{port}"
     probe = LMCacheMPConnector(endpoint, model.kv_layout(1), model_name=MODEL,
                                connect_timeout_s=1.0)
@@ -387,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
                                       transport=probe.transport)
             conn.register(CONNECT_TIMEOUT_S)
         except ConnectorError as exc:
-            return _unreachable(host, port, endpoint, exc)
+            _unreachable(host, port, endpoint, exc)
+            return None
         layout_txt = f"{model.describe()}, {layout.bytes_per_token} B/token"
         print(f"daemon {addr}: chunk size {chunk}; KV layout {layout_txt} (from {model.source})")
         max_chunks = max(1, MAX_PREFIX_BYTES // layout.chunk_bytes)
@@ -399,6 +333,11 @@ def run(args: argparse.Namespace) -> int:
             pass
     finally:
         probe.close()
+    return _Measured(chunk, layout, layout_txt, sizes, stopped, spent)
+
+
+def _print_measured(m: _Measured, requests: int) -> None:
+    sizes, layout = m.sizes, m.layout
     rows = [(s.chunks, s.tokens, fmt(s.tokens * layout.bytes_per_token / 2**20, 2),
              f"{len(s.retrieve_ms)}/{len(s.lookup_ms)}", fmt(median(s.lookup_ms), 3),
              fmt(percentile(s.lookup_ms, 99), 3), fmt(median(s.retrieve_ms), 3),
@@ -409,49 +348,42 @@ def run(args: argparse.Namespace) -> int:
     for s in sizes:
         for e in s.errors[:3]:
             print(f"  {s.tokens} tokens: {e}")
-    if stopped:
-        print(f"STOPPED EARLY: the {WALL_BUDGET_S:g} s budget ran out after {spent:.1f} s")
-    if not any(s.retrieve_ms for s in sizes):
-        print(f"error: no RETRIEVE of the daemon at {addr} succeeded; nothing to recommend "
-              "(see the errors above)", file=sys.stderr)
-        return EXIT_FAILED
-    fits, recs = recommend(sizes, chunk, args.prefill_tokens_per_s)
+    if m.stopped:
+        print(f"STOPPED EARLY: the {WALL_BUDGET_S:g} s budget ran out after {m.spent:.1f} s")
+
+
+def _print_recommended(fits: dict, recs: list) -> None:
     for name, (a, b) in fits.items():
         print(f"fit {name}: retrieve_ms = {fmt(a, 3)} + {fmt(b, 4)} * tokens/1024")
     print("recommended (value  <- the measurement it came from):")
     width = max(len(k) + len(repr(v)) for k, v, _ in recs) + 2
     for key, value, why in recs:
         print(f"  {f'{key}: {value!r}':<{width}}  <- {why}")
+
+
+def _header(addr: str, model: ModelLayout, m: _Measured, requests: int) -> list[str]:
+    """The YAML's comment lines: when, against which daemon, how many samples, which layout."""
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-    header = [
+    return [
         f"Tuned by `loadback tune` at {when} against the LMCache daemon at {addr}",
-        f"(chunk size {chunk}, protocol lmcache=={PROTOCOL_VERSION}); "
-        f"{requests} samples per prefix size of {[s.tokens for s in sizes]} tokens"
-        + (f", stopped early at the {WALL_BUDGET_S:g} s budget" if stopped else "") + ".",
-        f"KV layout per rank: {layout_txt}, from {model.source}.",
+        f"(chunk size {m.chunk}, protocol lmcache=={PROTOCOL_VERSION}); "
+        f"{requests} samples per prefix size of {[s.tokens for s in m.sizes]} tokens"
+        + (f", stopped early at the {WALL_BUDGET_S:g} s budget" if m.stopped else "") + ".",
+        f"KV layout per rank: {m.layout_txt}, from {model.source}.",
         "Deadlines scale with bytes per token: re-run tune for another model.",
     ]
-    text = render_yaml(host, port, chunk, recs, header)
-    try:
-        LoadBackConfig.from_dict(yaml.safe_load(text), source=args.out)  # before writing
-    except (ConfigError, yaml.YAMLError) as exc:
-        print(f"error: the recommended config does not validate: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    tmp = f"{args.out}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, args.out)
-    print(f"wrote {args.out}")
-    if getattr(args, "json", None):
-        write_json(args.json, {
-            "daemon": addr, "chunk_size": chunk, "layout": asdict(model),
-            "bytes_per_token": layout.bytes_per_token, "requests": requests,
-            "stopped_early": stopped,
-            "sizes": [{"chunks": s.chunks, "tokens": s.tokens, "nbytes": s.nbytes,
-                       "misses": s.misses, "errors": s.errors, "lookup_ms": s.lookup_ms,
-                       "retrieve_ms": s.retrieve_ms} for s in sizes],
-            "fits": {k: {"a_ms": a, "b_ms_per_ki": b} for k, (a, b) in fits.items()},
-            "recommended": {k: v for k, v, _ in recs},
-        })
-        print(f"wrote {args.json}")
-    return 0
+
+
+def _raw(addr: str, model: ModelLayout, m: _Measured, requests: int, fits: dict,
+         recs: list) -> dict:
+    """The `--json` report: every sample, the fits and the recommendation."""
+    return {
+        "daemon": addr, "chunk_size": m.chunk, "layout": asdict(model),
+        "bytes_per_token": m.layout.bytes_per_token, "requests": requests,
+        "stopped_early": m.stopped,
+        "sizes": [{"chunks": s.chunks, "tokens": s.tokens, "nbytes": s.nbytes,
+                   "misses": s.misses, "errors": s.errors, "lookup_ms": s.lookup_ms,
+                   "retrieve_ms": s.retrieve_ms} for s in m.sizes],
+        "fits": {k: {"a_ms": a, "b_ms_per_ki": b} for k, (a, b) in fits.items()},
+        "recommended": {k: v for k, v, _ in recs},
+    }
