@@ -1,9 +1,7 @@
-"""The `loadback` command: demo, sglang-demo, chaos, bench, tune, status, config
-validate|show, configs export, diagram.
-
-Exit codes: `orchestrator.exit_codes` (printed by `loadback --help`). Each command's module is
-imported only when that command runs, so `--help`, `--version` and `config validate` import
-neither SGLang nor torch.
+"""The `loadback` command: demo, sglang-demo, chaos, bench, tune, status, config validate|show,
+configs export, diagram. Exit codes: `orchestrator.exit_codes` (printed by `loadback --help`).
+Each command's module is imported only when that command runs, so `--help`, `--version` and
+`config validate` import neither SGLang nor torch.
 """
 
 from __future__ import annotations
@@ -177,7 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"loadback {_version()}",
                         help="print the installed lmcache-loadback version and exit")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for add in (_add_config_cmds, _add_demo, _add_sglang_demo, _add_bench, _add_chaos,
+                _add_tune, _add_status):
+        add(sub)
+    return parser
 
+
+def _add_config_cmds(sub) -> None:
+    """config validate|show, configs export, diagram."""
     p = sub.add_parser("config", help="validate or show a YAML config",
                        description="validate: check FILE (exit 0, 2 invalid, 3 unreadable); "
                        "show: print every effective value and where it came from")
@@ -196,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diagram", help="print the prefix state machine as mermaid")
     p.set_defaults(fn=_diagram_cmd)
 
+
+def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="a real daemon, a workload, a kill and a restart",
                        description="A real LMCache daemon, /metrics on 127.0.0.1, a workload "
                        "through the orchestrator, the daemon SIGKILLed at 35% of the requests "
@@ -207,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the result and the metrics")
     p.set_defaults(fn=_run_tool("lmcache_loadback.harness.demo"))
 
+
+def _add_sglang_demo(sub) -> None:
     p = sub.add_parser("sglang-demo", help="a real SGLang 0.5.23 server with this backend "
                        "beside upstream's, the daemon killed and restarted midway")
     p.add_argument("--sglang-python", metavar="PATH",
@@ -229,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write both sides' summaries")
     p.set_defaults(fn=_run_tool("lmcache_loadback.harness.sglang.demo"))
 
+
+def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator), "
                        "gpu (CUDA KV pool)",
                        description="Exits 1 when a target is missed or a contender dropped; "
@@ -242,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=lambda a: importlib.import_module(
         f"lmcache_loadback.harness.bench.{a.suite}").run(a))
 
+
+def _add_chaos(sub) -> None:
     p = sub.add_parser("chaos", help="break the daemon on purpose and check the invariants")
     csub = p.add_subparsers(dest="chaos_cmd", required=True, metavar="ACTION")
     names = scenario_names()
@@ -270,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--json", metavar="FILE", help="also write every scenario's result")
     cr.set_defaults(fn=_run_tool("lmcache_loadback.harness.chaos"))
 
+
+def _add_tune(sub) -> None:
     p = sub.add_parser("tune", help="measure a running daemon and recommend a config",
                        description="Measure LOOKUP and RETRIEVE of a running daemon with the "
                        "model's KV layout and write a recommended config. Exits 69 if the "
@@ -292,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the raw measurements")
     p.set_defaults(fn=_run_tool("lmcache_loadback.harness.tune"))
 
+
+def _add_status(sub) -> None:
     p = sub.add_parser(
         "status", help="how a running deployment is: daemon, breaker, queues, owed releases",
         description="Read a running deployment's /metrics (this product's own server, or "
@@ -306,7 +323,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=_positive_float, default=5.0, metavar="S",
                    help="how long to wait for the endpoint (default 5)")
     p.set_defaults(fn=_run_tool("lmcache_loadback.orchestrator.status"))
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
