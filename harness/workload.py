@@ -221,29 +221,7 @@ class Engine:
             loaded = 0
             got = None
             if n:
-                got = self.slots.alloc(n)
-                if got is not None:
-                    held.append(got)
-                res, took = self._timed("load_back", orch.config.deadlines.retrieve_s(n),
-                                        orch.load_back, rid, got)
-                t.load_times.append(took)
-                t.promised_tokens += n
-                if res.state == PrefixState.LOADED:
-                    loaded = res.loaded_tokens
-                    t.loaded += 1
-                    t.loaded_tokens += loaded
-                    want = prefix_kv(self.layout, prompt, local, local + n)
-                    if not torch.equal(read_kv(self.pool, self.layout, got), want):
-                        t.wrong_bytes += 1
-                    whole = chunk_digests(prompt[:local + n], self.layout.chunk_size)
-                    if whole and whole[-1] not in self.stored:
-                        t.loaded_from_others += 1
-                    if phase:
-                        t.first_hit_after.setdefault(phase, time.monotonic())
-                else:
-                    reason = res.reason.value if res.reason else "unknown"
-                    t.degraded[reason] = t.degraded.get(reason, 0) + 1
-                    t.recomputed_tokens += n
+                loaded, got = self._load(rid, prompt, local, n, phase, held)
             elif m.state == PrefixState.DEGRADED:
                 reason = m.reason.value
                 t.degraded[reason] = t.degraded.get(reason, 0) + 1
@@ -266,3 +244,34 @@ class Engine:
         finally:
             for s in held:
                 self.slots.release(s)
+
+    def _load(self, rid: str, prompt: list[int], local: int, n: int, phase: str,
+              held: list[torch.Tensor]) -> tuple[int, torch.Tensor | None]:
+        """load_back of the `n` promised tokens into fresh slots (appended to `held`), the
+        bytes checked against a recompute; (tokens loaded, the slots or None)."""
+        orch, t = self.orch, self.tally
+        loaded = 0
+        got = self.slots.alloc(n)
+        if got is not None:
+            held.append(got)
+        res, took = self._timed("load_back", orch.config.deadlines.retrieve_s(n),
+                                orch.load_back, rid, got)
+        t.load_times.append(took)
+        t.promised_tokens += n
+        if res.state == PrefixState.LOADED:
+            loaded = res.loaded_tokens
+            t.loaded += 1
+            t.loaded_tokens += loaded
+            want = prefix_kv(self.layout, prompt, local, local + n)
+            if not torch.equal(read_kv(self.pool, self.layout, got), want):
+                t.wrong_bytes += 1
+            whole = chunk_digests(prompt[:local + n], self.layout.chunk_size)
+            if whole and whole[-1] not in self.stored:
+                t.loaded_from_others += 1
+            if phase:
+                t.first_hit_after.setdefault(phase, time.monotonic())
+        else:
+            reason = res.reason.value if res.reason else "unknown"
+            t.degraded[reason] = t.degraded.get(reason, 0) + 1
+            t.recomputed_tokens += n
+        return loaded, got

@@ -141,23 +141,13 @@ def _control(daemon: DaemonProcess, res: SideResult, t0: float, duration_s: floa
 def run_side(side: str, *, python: str, duration_s: float, interval_ms: float,
              deadline_s: float, mq_timeout_s: float, work: Path, probe: bool = False,
              progress=print) -> SideResult:
+    """One side: its own daemon and SGLang server, the traffic window with the daemon killed
+    and restarted, everything stopped; a side that cannot run is reported, not raised."""
     res = SideResult(side)
     daemon = DaemonProcess(chunk_size=CHUNK, log_dir=str(work))
     daemon.start()
-    if side == "ours":
-        cfg = write_loadback_yaml(work / "loadback.yaml", daemon.port, chunk_size=CHUNK)
-        backend = "loadback"
-    else:
-        cfg = write_upstream_yaml(work / "upstream.yaml", daemon.port, mq_timeout_s=mq_timeout_s)
-        backend = None
-    probe_env = {}
-    if probe:  # the same backend, built and timed by the test-only probe plugin
-        res.probe_file = work / f"{side}-sched.jsonl"
-        backend = f"probe-{backend or 'upstream'}"
-        probe_env = {"LOADBACK_SCHED_PROBE_FILE": str(res.probe_file)}
-    server = SGLangServer(python=python, lmcache_config=cfg, backend=backend,
-                          max_total_tokens=MAX_TOTAL_TOKENS, log_path=work / f"{side}.log",
-                          python_path=[str(PROBE_DIR)] if probe else [], extra_env=probe_env)
+    server = _server(side, daemon, res, python=python, mq_timeout_s=mq_timeout_s, work=work,
+                     probe=probe)
     stop = threading.Event()
     threads: list[threading.Thread] = []
     try:
@@ -171,24 +161,8 @@ def run_side(side: str, *, python: str, duration_s: float, interval_ms: float,
         ctl = threading.Thread(target=_control, args=(daemon, res, t0, duration_s, stop),
                                daemon=True)
         ctl.start()
-        n = 0
-        while True:
-            due = t0 + n * interval_ms / 1000
-            if due - t0 >= duration_s:
-                break
-            stop.wait(max(0.0, due - time.monotonic()))
-            s = Sent(n, n % POOL, time.monotonic() - t0)
-            res.sent.append(s)
-
-            def send(s=s):
-                s.gen = server.generate(_prompt(s.prompt_id), max_new_tokens=NEW_TOKENS,
-                                        timeout_s=deadline_s)
-                s.done_s = time.monotonic() - t0
-
-            th = threading.Thread(target=send, daemon=True)
-            th.start()
-            threads.append(th)
-            n += 1
+        _traffic(server, res, threads, stop, t0, duration_s=duration_s,
+                 interval_ms=interval_ms, deadline_s=deadline_s)
         ctl.join(timeout=120)
         for th in threads:  # each is bounded by its client deadline
             th.join(timeout=deadline_s + 30)
@@ -201,6 +175,51 @@ def run_side(side: str, *, python: str, duration_s: float, interval_ms: float,
         daemon.stop()
     return res
 
+
+
+def _server(side: str, daemon: DaemonProcess, res: SideResult, *, python: str,
+            mq_timeout_s: float, work: Path, probe: bool) -> SGLangServer:
+    """The side's SGLang server (not started): ours with the `loadback` backend, upstream
+    with LMCache's own class; with `probe`, the same backend timed by the probe plugin."""
+    if side == "ours":
+        cfg = write_loadback_yaml(work / "loadback.yaml", daemon.port, chunk_size=CHUNK)
+        backend = "loadback"
+    else:
+        cfg = write_upstream_yaml(work / "upstream.yaml", daemon.port, mq_timeout_s=mq_timeout_s)
+        backend = None
+    probe_env = {}
+    if probe:  # the same backend, built and timed by the test-only probe plugin
+        res.probe_file = work / f"{side}-sched.jsonl"
+        backend = f"probe-{backend or 'upstream'}"
+        probe_env = {"LOADBACK_SCHED_PROBE_FILE": str(res.probe_file)}
+    return SGLangServer(python=python, lmcache_config=cfg, backend=backend,
+                        max_total_tokens=MAX_TOTAL_TOKENS, log_path=work / f"{side}.log",
+                        python_path=[str(PROBE_DIR)] if probe else [], extra_env=probe_env)
+
+
+def _traffic(server: SGLangServer, res: SideResult, threads: list[threading.Thread],
+             stop: threading.Event, t0: float, *, duration_s: float, interval_ms: float,
+             deadline_s: float) -> None:
+    """Open-loop traffic: a request every `interval_ms` until `duration_s`, each on its own
+    thread (appended to `threads`) and capped by its client deadline."""
+    n = 0
+    while True:
+        due = t0 + n * interval_ms / 1000
+        if due - t0 >= duration_s:
+            break
+        stop.wait(max(0.0, due - time.monotonic()))
+        s = Sent(n, n % POOL, time.monotonic() - t0)
+        res.sent.append(s)
+
+        def send(s=s):
+            s.gen = server.generate(_prompt(s.prompt_id), max_new_tokens=NEW_TOKENS,
+                                    timeout_s=deadline_s)
+            s.done_s = time.monotonic() - t0
+
+        th = threading.Thread(target=send, daemon=True)
+        th.start()
+        threads.append(th)
+        n += 1
 
 def print_table(summaries: dict[str, dict]) -> None:
     rows = [
