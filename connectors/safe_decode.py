@@ -1,23 +1,8 @@
 """Restricted loading of pickled tensor lists that come off the LMCache daemon socket.
 
-In engine-driven pickle mode ``prepare_retrieve`` answers with the bytes of
-``pickle.dumps(list[torch.Tensor])``. Unpickling socket bytes with plain pickle runs whatever
-they say, so ``load_tensor_list`` uses a restricted unpickler that admits exactly the three
-globals such a pickle names (``torch._utils._rebuild_tensor_v2``,
-``torch.storage._load_from_bytes``, ``collections.OrderedDict``) and replaces the first two:
-``_load_from_bytes`` would run an unrestricted load on the storage record it carries. That
-record is parsed here: torch 2.x pickles storages in torch.save's legacy format (five pickles,
-then the raw bytes), the zip format is accepted too. Its small pickles go through a second
-restricted unpickler that admits only ``torch.<Dtype>Storage`` names; the raw data is used in
-place when 16-byte aligned (zip entries are), else copied once with memcpy (legacy data sits
-at an odd offset) into a fixed-size buffer. Every storage is non-resizable, and every view's
-extent, strides, shape and dtype are checked against its storage and the expected chunk before
-any tensor is built; views may neither overlap each other nor themselves. Nothing else is ever
-copied and nothing named by the payload ever runs.
-
-64 MiB in 16 tensors (legacy records: one aligned copy each), 2 cores at load ~7, median
-31-38 ms; without the view checks 34-39 ms in the same runs: the copy dominates (~10 ms on a
-quiet machine). pickle.loads 8-36 ms, weights_only 9-11 (quiet).
+Socket bytes never reach an unrestricted unpickler: only the globals a `list[torch.Tensor]`
+pickle names are admitted, storage records are parsed here, and every view is checked against
+its storage and the expected chunk before any tensor is built (`load_tensor_list`).
 """
 
 from __future__ import annotations
@@ -127,8 +112,8 @@ def _attach(b: bytes, off: int, ref: _StorageRef) -> _Storage:
         raise ProtocolError("storage record holds no elements; a chunk needs at least one")
     raw = torch.frombuffer(b, dtype=torch.uint8, count=nbytes, offset=off)
     if raw.data_ptr() % _ALIGN:
-        # a bytes slice is one plain memcpy (torch's threaded copy_ took 3-7 ms per 4 MiB on
-        # busy cores, this 0.1) and CPython puts its data 16-aligned on 64-bit builds
+        # a bytes slice is one plain memcpy (faster than torch's threaded copy_ on busy
+        # cores) and CPython puts its data 16-aligned on 64-bit builds
         raw = torch.frombuffer(b[off:off + nbytes], dtype=torch.uint8)
         if raw.data_ptr() % _ALIGN:  # another allocator: pad a zeroed buffer instead
             buf = bytearray(nbytes + _ALIGN)
@@ -272,6 +257,20 @@ def load_tensor_list(data: bytes | memoryview, *, expected_shape: tuple[int, ...
     ``expected_dtype``. Raises ProtocolError, and only ProtocolError, for anything else:
     garbage, truncation, refused globals, nested code, wrong types. Never runs code named by
     the payload and never calls an unrestricted loader.
+
+    In engine-driven pickle mode the payload is ``pickle.dumps(list[torch.Tensor])``. The
+    unpickler admits exactly the three globals such a pickle names
+    (``torch._utils._rebuild_tensor_v2``, ``torch.storage._load_from_bytes``,
+    ``collections.OrderedDict``) and replaces the first two: ``_load_from_bytes`` would run an
+    unrestricted load on the storage record it carries. That record is parsed here: torch 2.x
+    pickles storages in torch.save's legacy format (five pickles, then the raw bytes), the zip
+    format is accepted too. Its small pickles go through a second restricted unpickler that
+    admits only ``torch.<Dtype>Storage`` names; the raw data is used in place when 16-byte
+    aligned (zip entries are), else copied once with memcpy (legacy data sits at an odd
+    offset) into a fixed-size buffer. Every storage is non-resizable, and every view's extent,
+    strides, shape and dtype are checked against its storage and the expected chunk before any
+    tensor is built; views may neither overlap each other nor themselves. Nothing else is ever
+    copied and nothing named by the payload ever runs.
     """
     try:
         obj = _TensorListUnpickler(io.BytesIO(data), max_items, tuple(expected_shape),

@@ -1,9 +1,8 @@
 """LMCache 0.5.6 multi-process wire format: op ids, request keys, reply types.
 
-Every frame is one msgpack value. A request is `[uid, op, payload_0, ...]`; a reply is
-`[uid, op_echo]` when the handler returned None, else `[uid, op_echo, result]`.
-These structs encode exactly like lmcache's own dataclasses (maps keyed by field name),
-which `tests/unit/test_wire.py` checks against `lmcache.v1.multiprocess.custom_types`.
+Every frame is one msgpack value: a request `[uid, op, payload_0, ...]`, a reply `[uid,
+op_echo]` (the handler returned None) or `[uid, op_echo, result]`. The structs encode exactly
+like lmcache's own dataclasses (maps keyed by field name; checked by the wire tests).
 """
 
 from __future__ import annotations

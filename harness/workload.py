@@ -1,10 +1,7 @@
-"""A realistic request mix driven through the orchestrator like an SGLang scheduler would,
-with the bookkeeping the invariant checker needs.
-
-Who uses it: `loadback chaos run` and `loadback demo`. The engine side is simulated
-faithfully where it matters: a KV pool laid out like SGLang's, a slot allocator whose every
-slot must come back, and "prefill" that writes KV deterministically derived from the token
-prefix, so every loaded token can be compared with what a recompute would have produced.
+"""A realistic request mix driven through the orchestrator like an SGLang scheduler would, for
+`loadback chaos run` and `loadback demo`: a KV pool laid out like SGLang's, a slot allocator
+whose every slot must come back, and "prefill" that writes KV derived from the token prefix,
+so every loaded token can be compared with what a recompute would have produced.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The /metrics exposition server: prometheus_client's own, with a clear bind error.
-
-Who calls what: the `loadback` CLI / the SGLang hook call `start_metrics_server(port=...)`
-(or `LoadbackMetrics.serve()`) once per process; Prometheus scrapes `/metrics`; tests call
-`.close()`. `prometheus_client.start_http_server` runs the server in a daemon thread; this
-module only picks the registry, turns a failed bind into an error naming host, port and
-fix, and stops the server.
+"""The /metrics exposition server: prometheus_client's own (a daemon thread), with a clear bind
+error. The `loadback` CLI and the SGLang hook call `start_metrics_server(port=...)` (or
+`LoadbackMetrics.serve()`) once per process; this module picks the registry, turns a failed
+bind into an error naming host, port and fix, and stops the server (`.close()`).
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """LoadBackConfig: one typed, frozen object, validated once at the edge (YAML -> msgspec).
 
-Every key has a default; `configs/example_config_mp.yaml` documents each one. Single-field
-limits are msgspec `Meta` constraints on the fields (their `description` is the fix shown to
-the operator); checks across fields live in `__post_init__`. Every refusal is a ConfigError
-whose one-line message names the file, the key path and the fix, whatever the input
-(`orchestrator.config_file` reads the file and refuses what is not sound YAML; here unknown
-keys and non-finite numbers). An upstream LMCache MP YAML loads too (`orchestrator.upstream`
-maps its keys). `LoadBackConfig.explain(path)` tells where each effective value came from,
-for `loadback config show`.
+Every key has a default (`configs/example_config_mp.yaml` documents each one); every refusal
+is a ConfigError naming the file, the key path and the fix.
 """
 
 from __future__ import annotations
@@ -110,6 +104,14 @@ class SGLang(_Section):
 
 
 class LoadBackConfig(_Section):
+    """The whole config. Single-field limits are msgspec `Meta` constraints on the fields
+    (their `description` is the fix shown to the operator); checks across fields live in
+    `__post_init__`. Every refusal is a one-line ConfigError, whatever the input
+    (`orchestrator.config_file` reads the file and refuses what is not sound YAML; here
+    unknown keys and non-finite numbers). An upstream LMCache MP YAML loads too
+    (`orchestrator.upstream` maps its keys). `explain(path)` tells where each effective value
+    came from, for `loadback config show`."""
+
     mode: Literal["mp", "ip"] = "mp"
     mp_host: Annotated[str, Meta(min_length=1, pattern=r"^\S+$",
                                  description="the daemon's --host, e.g. 127.0.0.1")] = "127.0.0.1"

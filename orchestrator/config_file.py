@@ -1,10 +1,6 @@
 """Reading a config file into plain data, for `orchestrator.config`; nothing here knows keys.
-
-Whatever the bytes, the result is data or a ConfigError whose one-line message names the file,
-the key path where one is known, and the fix: bytes that are not UTF-8 (the key found from the
-rest of the file), control characters, YAML nested deeper than any config needs (PyYAML's
-composer recurses), keys given twice (YAML would keep the last silently), tags safe_load
-refuses or cannot build, and paths that are no config file at all (a directory, /dev/zero).
+Whatever the bytes, the result is data or a ConfigError naming the file, the key path where
+one is known, and the fix (`read_yaml`).
 """
 
 from __future__ import annotations
@@ -88,7 +84,12 @@ def _refuse_duplicates(node: Any, path: str, p: Path, seen: set[int]) -> None:
 
 
 def read_yaml(path: str | Path) -> Any:
-    """The file's YAML as Python data; raises ConfigError (unreadable=True: cannot be read)."""
+    """The file's YAML as Python data; raises ConfigError (unreadable=True: cannot be read).
+
+    Refused, each in one line: bytes that are not UTF-8 (the key found from the rest of the
+    file), control characters, YAML nested deeper than any config needs (PyYAML's composer
+    recurses), keys given twice (YAML would keep the last silently), tags safe_load refuses
+    or cannot build, and paths that are no config file at all (a directory, /dev/zero)."""
     p = Path(path)
     try:
         with open(p, "rb") as f:

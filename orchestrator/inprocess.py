@@ -1,10 +1,6 @@
-"""`mode: ip`: LMCache's own MP cache server, run inside the engine process.
-
-The cache then lives and dies with the engine. The same orchestrator path serves both
-modes: the in-process server is reached over ZMQ like the external daemon. lmcache 0.5.6
-builds its ZMQ server as `tcp://{host}:{port}` (build_zmq_request_server), so an
-`inproc://` or `ipc://` endpoint is not available; the server binds 127.0.0.1 on a free
-port instead, which stays on loopback.
+"""`mode: ip`: LMCache's own MP cache server, run inside the engine process (the cache lives and
+dies with the engine), reached over ZMQ on loopback like the external daemon, so the same
+orchestrator path serves both modes.
 """
 
 from __future__ import annotations
@@ -21,7 +17,11 @@ class InProcessUnavailable(RuntimeError):
 
 
 class InProcessDaemon:
-    """Start with `start()`, stop with `close()`; `endpoint` is where it listens."""
+    """Start with `start()`, stop with `close()`; `endpoint` is where it listens.
+
+    lmcache 0.5.6 builds its ZMQ server as `tcp://{host}:{port}` (build_zmq_request_server),
+    so an `inproc://` or `ipc://` endpoint is not available: the server binds 127.0.0.1 on a
+    free port instead, which stays on loopback."""
 
     _lock = threading.Lock()
 

@@ -1,9 +1,7 @@
-"""The product's metric label sets, from the state table and enums, in one place.
-
-Who calls what: `LoadBackOrchestrator` builds its default `LoadbackMetrics` with
-`product_metrics()`; the demo, the chaos harness and the metric tests call the same function,
-so every series a test or dashboard reads is one production pre-creates. `metrics/` never
-imports `orchestrator`, so the label values are handed to it from here.
+"""The product's metric label sets, from the state table and enums, in one place:
+`product_metrics()` builds the `LoadbackMetrics` the orchestrator, the demo, the chaos harness
+and the metric tests use, so every series they read is one production pre-creates (`metrics/`
+never imports `orchestrator`, so the label values are handed to it from here).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def run_with_retries(fn: Callable[[], T], policy: Retries, budget_s: float, *,
                      sleep: Callable[[float], None] = time.sleep) -> T:
     """Call `fn`; on a retry-safe failure hand it and the remaining attempts to tenacity.
 
-    The first attempt runs bare: a Retrying object costs ~10 us, more than the rest of a
+    The first attempt runs bare: a Retrying object costs more than the rest of a
     healthy load-back's bookkeeping, and the healthy path never needs it.
     """
     deadline = clock() + budget_s

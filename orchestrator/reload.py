@@ -1,10 +1,7 @@
 """Hot reload of policy values from the YAML file: on SIGHUP and through `reload_now()` in a
-process of one's own, and by `ConfigWatcher` inside someone else's process (the SGLang engine,
-which installs no SIGHUP handler: the signal would end its scheduler).
-
-An invalid new file is rejected with a logged error naming the file, the key and the fix; the
-config in force stays; `loadback_config_reload_failures_total` counts it and
-`loadback_config_generation` only moves on success.
+process of one's own (`ConfigReloader`), and by `ConfigWatcher` inside someone else's (the
+SGLang engine: a SIGHUP would end its scheduler). An invalid new file is rejected, logged with
+the file, key and fix; the config in force stays and the reload failure is counted.
 """
 
 from __future__ import annotations
@@ -24,6 +21,10 @@ log = logging.getLogger("loadback")
 
 
 class ConfigReloader:
+    """Reload on SIGHUP (installed from the main thread unless `install_sighup=False`) or on
+    `reload_now()`. `loadback_config_reload_failures_total` counts rejected files;
+    `loadback_config_generation` moves only on success."""
+
     def __init__(self, orch: LoadBackOrchestrator, path: str | Path, *,
                  install_sighup: bool = True) -> None:
         self.orch = orch

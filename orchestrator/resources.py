@@ -1,10 +1,5 @@
 """The files shipped with the product: example configs, chaos scenarios, the Grafana
-dashboard, Prometheus alert rules and scrape config.
-
-One hand-edited copy lives in the repository's `configs/`; building the wheel copies it into
-the package as `orchestrator/configs` (setup.py). `configs_dir()` finds the packaged copy in
-an installed wheel and the repository's in a source checkout, so the chaos harness and
-`loadback configs export` work from any directory either way.
+dashboard, Prometheus alert rules and scrape config (`configs_dir`, `export_configs`).
 """
 
 from __future__ import annotations
@@ -17,7 +12,11 @@ __all__ = ["configs_dir", "export_configs"]
 
 
 def configs_dir() -> Path:
-    """The directory holding the shipped configs (packaged, else the source checkout's)."""
+    """The directory holding the shipped configs (packaged, else the source checkout's).
+
+    One hand-edited copy lives in the repository's `configs/`; building the wheel copies it
+    into the package as `orchestrator/configs` (setup.py), so the chaos harness and `loadback
+    configs export` work from any directory either way."""
     packaged = importlib.resources.files(__package__) / "configs"
     if packaged.is_dir():
         return Path(str(packaged))

@@ -1,14 +1,6 @@
-"""`loadback status`: how a running deployment is, read from its /metrics.
-
-Who calls it: the `loadback status` command (`run`); tests call `parse`, `summarize` and
-`render` directly. The endpoint is this product's own /metrics server (`metrics.enabled` in
-the YAML; TP rank r serves on `metrics.port + r`) or SGLang's (`--enable-metrics`, which
-carries every rank's `loadback_*` series through its multiprocess collector). Only the
-standard library and prometheus_client's text parser are imported: no torch, no SGLang.
-
-Every field comes from one series (README, "Metrics"); a series the endpoint lacks (an older
-deployment) prints as "n/a" rather than failing. Exit 0 once the endpoint was read, 69
-(EX_UNAVAILABLE) when it could not be, or when it serves no `loadback_*` series at all.
+"""`loadback status`: how a running deployment is, read from its /metrics (`run`; tests call
+`parse`, `summarize` and `render`). Only the standard library and prometheus_client's text
+parser are imported: no torch, no SGLang.
 """
 
 from __future__ import annotations
@@ -208,6 +200,12 @@ def status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
 
 
 def run(args) -> int:
+    """The endpoint is this product's own /metrics server (`metrics.enabled`; TP rank r serves
+    on `metrics.port + r`) or SGLang's (`--enable-metrics`, which carries every rank's
+    `loadback_*` series through its multiprocess collector). Every field comes from one series
+    (README, "Metrics"); one the endpoint lacks (an older deployment) prints as "n/a". Exit 0
+    once the endpoint was read, 69 (EX_UNAVAILABLE) when it could not be, or when it serves
+    no `loadback_*` series at all."""
     try:
         st = status(args.url, args.timeout_s)
     except StatusUnavailable as exc:

@@ -1,14 +1,7 @@
 """LMCache's own config keys, as SGLang's `--lmcache-config-file` passes them, and what each
-becomes here.
-
-Called by `LoadBackConfig.from_dict` for every file before validation, so an upstream LMCache MP
-YAML (`mp_host`, `mp_port`, `extra_config: {lmcache.mp.*}`, engine keys such as `chunk_size`)
-loads unchanged; `loadback config validate` prints the returned rows so an operator sees which
-upstream keys took effect, onto which key, and why the others did not. Never guesses: a key
-that lmcache 0.5.6 does not read is refused like any unknown key, and a value upstream could not
-parse either is refused, naming the key. Keys and defaults are lmcache 0.5.6's
-(`lmcache/v1/config.py` _CONFIG_DEFINITIONS and aliases, and the `lmcache.mp.*` keys its
-integrations read); tests/unit/test_config_upstream.py checks them against the installed package.
+becomes here (`translate`), so an upstream LMCache MP YAML loads unchanged. Keys and defaults
+are lmcache 0.5.6's (`lmcache/v1/config.py` _CONFIG_DEFINITIONS and aliases, and the
+`lmcache.mp.*` keys its integrations read), checked against the installed package by a test.
 """
 
 from __future__ import annotations
@@ -180,7 +173,12 @@ def _show(value: Any) -> str:
 
 
 def translate(data: dict) -> tuple[dict, list[Row], dict[str, str]]:
-    """Map upstream keys onto ours; called once per file, before validation.
+    """Map upstream keys onto ours; called by `LoadBackConfig.from_dict` once per file, before
+    validation (`mp_host`, `mp_port`, `extra_config: {lmcache.mp.*}`, engine keys such as
+    `chunk_size`). `loadback config validate` prints the rows, so an operator sees which
+    upstream keys took effect, onto which key, and why the others did not. Never guesses: a
+    key lmcache 0.5.6 does not read is refused like any unknown key, and so is a value
+    upstream could not parse either, naming the key.
 
     Returns the data with LMCache engine keys removed and `lmcache.mp.*` values applied to our
     keys (ours win when both are given), one Row per upstream key, and {our key path: the

@@ -1,18 +1,7 @@
-"""Fault-injecting ZMQ proxy between LMCache MP clients and a real 0.5.6 daemon.
-
-Who uses it: the chaos harness and the integration tests, between a `ZmqTransport` (or
-`LMCacheMPConnector`) and a real `DaemonProcess`. It injects only the faults a real daemon
-cannot produce on demand: lost, late, duplicated, garbled or misaddressed replies, corrupt
-or hostile KV payloads, the silence of a daemon of another version. Hangs, crashes and
+"""Fault-injecting ZMQ proxy between LMCache MP clients and a real 0.5.6 daemon, for the chaos
+harness and the integration tests: lost, late, duplicated, garbled or misaddressed replies,
+corrupt or hostile KV payloads, the silence of a daemon of another version. Hangs, crashes and
 restarts come from `DaemonProcess.pause/kill/restart`, not from here.
-
-    client DEALERs -> ROUTER [proxy thread: rules] DEALER -> daemon ROUTER
-
-Clients (and threads, each counting its own uids) share the one upstream DEALER, so each
-forwarded request gets a proxy uid and its reply returns to the client identity with the
-client's uid frame. Faults are data (`FaultRule`), added and cleared at runtime, drawn from
-`random.Random(seed)` so a run replays exactly. Everything is bounded; `close()` takes well
-under a second. Loopback only; socket bytes are only ever read by `safe_decode`.
 """
 
 from __future__ import annotations
@@ -118,7 +107,16 @@ def _op_name(frame: bytes | memoryview) -> str:
 
 
 class FaultProxy:
-    """A ROUTER front for clients, one DEALER to the daemon, rules applied in between."""
+    """A ROUTER front for clients, one DEALER to the daemon, rules applied in between.
+
+        client DEALERs -> ROUTER [proxy thread: rules] DEALER -> daemon ROUTER
+
+    Clients (and threads, each counting its own uids) share the one upstream DEALER, so each
+    forwarded request gets a proxy uid and its reply returns to the client identity with the
+    client's uid frame. Faults are data (`FaultRule`), added and cleared at runtime, drawn
+    from `random.Random(seed)` so a run replays exactly. Everything is bounded; `close()`
+    takes well under a second. Loopback only; socket bytes are only ever read by
+    `safe_decode`."""
 
     def __init__(self, upstream_endpoint: str, *, layout: KVLayout | None = None,
                  host: str = "127.0.0.1", port: int = 0, seed: int = 0,

@@ -1,0 +1,1 @@
+"""`loadback bench`: client (the wire), core (the orchestrator) and gpu (a CUDA KV pool)."""

@@ -1,22 +1,8 @@
 """`loadback bench client`: our MP client against LMCache 0.5.6's own, on the load-back path.
 
-For 256, 1024 and 4096 tokens of a 4-layer x 1024-hidden fp16 KV (16 KiB per token), time
-lookup -> prefetch status -> prepare_retrieve -> (decode) -> scatter into KV-pool slots ->
-commit_retrieve -> end_session, for:
-  ours-pickle / lmc-pickle  against a daemon without --shm-name,
-  ours-shm    / lmc-shm     against a second daemon with --shm-name,
-  copy        a plain in-process dst.copy_(src) of the same number of bytes (the memcpy bar),
-  scatter     our scatter_chunks of in-memory chunk tensors into the same slots.
-The LMCache contenders do what its engine-driven SGLang worker path does on CPU
-(EngineDrivenTransferContext.submit_retrieve): RequestClientFactory's ZMQ client, LOOKUP with
-worker_id None and num_kv_readers=1, WAIT_PREFETCH_STATUS (its SGLang adapter's choice: one
-RPC instead of polling), the EngineDrivenContext's prepare_retrieve (pickle.loads, or SHM
-views), scatter_cpu_to_paged_kv, commit_retrieve, END_SESSION.
-Contenders alternate round by round (same-mode pairs back to back, ABBA, pairs rotated)
-over the same daemons, stored prefix and destination slots; every sample asserts a full
-hit; the first (warm-up) round of each size also checks the landed bytes with torch.equal.
-Exit code: 1 when a gated target (P1, both) is missed, else 0. P6 is reported, not gated:
-it is out of reach as the daemon stands (the README says why).
+Each contender (`PAIRS`) times lookup -> prefetch status -> prepare_retrieve -> (decode) ->
+scatter into KV-pool slots -> commit_retrieve -> end_session. Exit code: 1 when a gated
+target (`GATED`) is missed, else 0; P6 is reported, not gated (the README says why).
 """
 
 from __future__ import annotations
@@ -49,6 +35,16 @@ MIN_SAMPLES = 3
 BUDGET_S = {256: 25.0, 1024: 40.0, 4096: 80.0}  # per size: stop early past this (>= MIN)
 T = 30.0  # per-operation timeout, seconds
 MODEL = "loadback"
+# For 256, 1024 and 4096 tokens of a 4-layer x 1024-hidden fp16 KV (16 KiB per token):
+#   ours-pickle / lmc-pickle  against a daemon without --shm-name,
+#   ours-shm    / lmc-shm     against a second daemon with --shm-name,
+#   copy        a plain in-process dst.copy_(src) of the same number of bytes (the memcpy bar),
+#   scatter     our scatter_chunks of in-memory chunk tensors into the same slots.
+# The LMCache contenders do what its engine-driven SGLang worker path does on CPU
+# (EngineDrivenTransferContext.submit_retrieve): RequestClientFactory's ZMQ client, LOOKUP with
+# worker_id None and num_kv_readers=1, WAIT_PREFETCH_STATUS (its SGLang adapter's choice: one
+# RPC instead of polling), the EngineDrivenContext's prepare_retrieve (pickle.loads, or SHM
+# views), scatter_cpu_to_paged_kv, commit_retrieve, END_SESSION.
 PAIRS = (("ours-pickle", "lmc-pickle"), ("ours-shm", "lmc-shm"), ("copy", "scatter"))
 NAMES = tuple(n for p in PAIRS for n in p)
 TARGETS = {"p1_ratio_same_mode": ("<=", 1.0), "p1_ratio_best": ("<=", 0.3),
@@ -228,6 +224,9 @@ def _verify(name, c, toks, src, dst, slots, n) -> None:
 
 
 def _bench_size(n, contenders, toks, src, dst, perm, samples):
+    """Contenders alternate round by round (same-mode pairs back to back, ABBA, pairs
+    rotated) over the same daemons, stored prefix and destination slots; every sample
+    asserts a full hit; a first round per contender checks the landed bytes (`_verify`)."""
     slots = perm[:n].clone()
     for name, c in contenders.items():
         try:
@@ -319,7 +318,7 @@ def run(args) -> int:
     d_shm = DaemonProcess(chunk_size=CHUNK, l1_size_gb=0.5, shm_name=f"lb{os.getpid()}")
     closers = []
     try:
-        with ThreadPoolExecutor(2) as ex:  # both daemons start at once (~4 s each)
+        with ThreadPoolExecutor(2) as ex:  # both daemons start at once
             for f in [ex.submit(d.start) for d in (d_pickle, d_shm)]:
                 f.result()
         src, dst = _pool(True), _pool(False)

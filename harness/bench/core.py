@@ -1,15 +1,8 @@
 """`loadback bench core`: what the orchestrator itself costs, and how it keeps deadlines.
 
-P2  lifecycle overhead (match, load_back, finish) over a connector that does no I/O,
-    as a ratio to one loopback pyzmq round trip measured in the same run (target <= 1.0).
-P3  with the real daemon SIGSTOPped: p99 return time of match and load_back minus their
-    deadlines (target <= 5 ms), beside what LMCache's own client does (waits mq_timeout).
-P4  match with the breaker open, as a ratio to one round trip (target <= 0.2).
-P5  per-lifecycle cost with 10,000 live prefixes vs 100 (target <= 1.2).
-P6  the real daemon SIGKILLed under a steady caller (50 ms deadlines): time from the kill to
-    the first call that returns in under 1 ms, and how many calls paid the whole deadline.
-Contenders alternate within one run; figures are medians (p99 where stated).
-Exit code: 1 when any target above is missed (each is printed MET or MISS), else 0.
+P2-P5 (`p2_p4_p5`, `p3`) and P6 (`p6`), each against its target; contenders alternate within
+one run, figures are medians (p99 where stated). Exit code: 1 when any target is missed (each
+is printed MET or MISS), else 0.
 """
 
 from __future__ import annotations
@@ -122,6 +115,10 @@ def _lifecycle(o: LoadBackOrchestrator, rid: str, toks, slots) -> float:
 
 
 def p2_p4_p5(samples: int) -> dict:
+    """P2: lifecycle overhead (match, load_back, finish) over a connector that does no I/O,
+    as a ratio to one loopback pyzmq round trip measured in the same run (target <= 1.0).
+    P4: match with the breaker open, as a ratio to one round trip (target <= 0.2). P5:
+    per-lifecycle cost with 10,000 live prefixes vs 100 (target <= 1.2)."""
     rt = RoundTrip()
     try:
         toks = list(range(1024))
@@ -162,8 +159,10 @@ def p2_p4_p5(samples: int) -> dict:
 
 
 def p3(samples: int) -> dict:
-    """Deadlines against a hung (SIGSTOPped) real daemon; the breaker is kept out of the
-    way (it would answer in microseconds) so every call really waits on the socket."""
+    """P3, deadlines against a hung (SIGSTOPped) real daemon: p99 return time of match and
+    load_back minus their deadlines (target <= 5 ms), beside what LMCache's own client does
+    (waits mq_timeout). The breaker is kept out of the way (it would answer in
+    microseconds) so every call really waits on the socket."""
     lookup_ms, retrieve_ms = 20.0, 50.0
     layout = KVLayout(num_layers=2, num_heads=4, head_dim=16, dtype=torch.float16, chunk_size=16)
     d = DaemonProcess(chunk_size=16).start()
@@ -214,7 +213,9 @@ def p3(samples: int) -> dict:
 
 
 def p6(deadline_ms: float = 50.0) -> dict:
-    """SIGKILL the real daemon while one thread calls LOOKUP back to back."""
+    """P6: SIGKILL the real daemon while one thread calls LOOKUP back to back (50 ms
+    deadlines): time from the kill to the first call that returns in under 1 ms, and how
+    many calls paid the whole deadline."""
     layout = KVLayout(num_layers=2, num_heads=4, head_dim=16, dtype=torch.float16, chunk_size=16)
     d = DaemonProcess(chunk_size=16).start()
     conn = LMCacheMPConnector(d.endpoint, layout, connect_timeout_s=0.2)

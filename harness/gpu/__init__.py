@@ -1,0 +1,1 @@
+"""GPU host helpers: rebuilding lmcache's CUDA ops and the device run script."""

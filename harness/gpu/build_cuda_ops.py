@@ -1,14 +1,8 @@
-"""Rebuild lmcache 0.5.6's `lmcache.cuda_ops` against the torch of this host.
+"""Rebuild lmcache 0.5.6's `lmcache.cuda_ops` against the torch of this host: the PyPI wheel's
+does not load against torch 2.11, and LMCache then silently falls back to slow torch copies.
 
-The PyPI wheel's compiled GPU module does not load against torch 2.11 (undefined symbol), and
-LMCache then silently falls back to plain torch copies (0.17-0.27 of the link limit), which
-would make any comparison with it meaningless. Sources: the 0.5.6 source release's csrc/
-(`pip download --no-clean --no-deps --no-binary :all: lmcache==0.5.6`), the 13 files and flags
-of its CUDA build profile (setup_extensions/build_profiles/cuda.py).
-
-Usage: python -m lmcache_loadback.harness.gpu.build_cuda_ops CSRC_DIR SITE_DIR
-(SITE_DIR holds the installed `lmcache` package; its cuda_ops is replaced only if the wheel's
-does not import).
+Usage: python -m lmcache_loadback.harness.gpu.build_cuda_ops CSRC_DIR SITE_DIR (SITE_DIR holds
+the installed `lmcache`; its cuda_ops is replaced only if the wheel's does not import).
 """
 
 from __future__ import annotations
@@ -22,6 +16,9 @@ import sysconfig
 import time
 from pathlib import Path
 
+# Sources: the 0.5.6 source release's csrc/ (`pip download --no-clean --no-deps --no-binary
+# :all: lmcache==0.5.6`), the 13 files and flags of its CUDA build profile
+# (setup_extensions/build_profiles/cuda.py).
 SOURCES = ("pybind.cpp", "mem_kernels.cu", "mp_mem_kernels.cu", "phase_timing_recorder.cu",
            "blend_kernels.cu", "cal_cdf.cu", "ac_enc.cu", "ac_dec.cu", "pos_kernels.cu",
            "mem_alloc.cpp", "utils.cpp", "event_recorder.cpp", "completion_recorder.cpp")

@@ -1,19 +1,7 @@
 """`loadback sglang-demo` (`make demo`): a real SGLang 0.5.23 server with this product's
-backend beside upstream's LMCache class, under the same traffic, with the daemon SIGKILLed and
-restarted midway.
-
-For each side, in turn (one at a time: two servers on two cores would measure each other):
-a real lmcache 0.5.6 daemon on a free loopback port; `python -m sglang.launch_server` on CPU
-(tiny llama config, dummy weights) with `--enable-lmcache` and, for ours,
-`--radix-cache-backend loadback`; open-loop traffic (a request every `--interval-ms`, each
-capped by `--deadline-s`) cycling through a pool of prompts larger than the device KV pool, so
-every revisit is evicted from the device tree and can only hit in LMCache. The daemon is killed
-at 35% of the traffic window and a new one started on the same port at 55%. Then a table side
-by side and, with `--json FILE`, `{"ours": {...}, "upstream": {...}}`.
-
-Bounded: each side takes its server start (15-60 s), `--duration-s` of traffic plus at most
-one deadline, and a stop (~7 s). Everything it starts it stops (server by process group,
-daemon by PID).
+backend beside upstream's LMCache class, under the same traffic, the daemon SIGKILLed at 35%
+of the window and restarted at 55%; then a table side by side (and `--json FILE`). Sides run
+one at a time (two servers on two cores would measure each other); all it starts it stops.
 """
 
 from __future__ import annotations
@@ -141,8 +129,13 @@ def _control(daemon: DaemonProcess, res: SideResult, t0: float, duration_s: floa
 def run_side(side: str, *, python: str, duration_s: float, interval_ms: float,
              deadline_s: float, mq_timeout_s: float, work: Path, probe: bool = False,
              progress=print) -> SideResult:
-    """One side: its own daemon and SGLang server, the traffic window with the daemon killed
-    and restarted, everything stopped; a side that cannot run is reported, not raised."""
+    """One side: a real lmcache 0.5.6 daemon on a free loopback port; `python -m
+    sglang.launch_server` on CPU (tiny llama config, dummy weights) with `--enable-lmcache`
+    and, for ours, `--radix-cache-backend loadback`; open-loop traffic cycling through a pool
+    of prompts larger than the device KV pool, so every revisit is evicted from the device
+    tree and can only hit in LMCache. Bounded: the server's start, `duration_s` of traffic
+    plus at most one deadline, and a stop (server by process group, daemon by PID). A side
+    that cannot run is reported, not raised."""
     res = SideResult(side)
     daemon = DaemonProcess(chunk_size=CHUNK, log_dir=str(work))
     daemon.start()

@@ -1,11 +1,6 @@
-"""Start, drive and stop a real `python -m sglang.launch_server` on CPU.
-
-Who uses it: the SGLang end-to-end tests (tests/sglang/e2e) and `loadback demo` (the real
-server beside upstream's LMCache class). The server runs SGLang's own code with dummy weights of
-a tiny llama config, from a temporary working directory (a folder named like a plugin module
-in the cwd would shadow the installed package), in its own process group (it has children),
-stopped by that group and only that group. The `/dev/shm/sglang_loads_*` file SGLang leaves
-behind is removed only when one of this server's processes held it open.
+"""Start, drive and stop a real `python -m sglang.launch_server` on CPU (SGLang's own code,
+dummy weights of a tiny llama config), for the SGLang end-to-end tests (tests/sglang/e2e) and
+`loadback sglang-demo`.
 """
 
 from __future__ import annotations
@@ -115,6 +110,10 @@ class SGLangServer:
 
     `backend=None` with `lmcache_config` runs upstream's `--enable-lmcache` class; a backend name
     (e.g. "loadback") adds `--radix-cache-backend NAME`. Without `lmcache_config`, no LMCache.
+    It runs from a temporary working directory (a folder named like a plugin module in the cwd
+    would shadow the installed package), in its own process group (it has children), stopped
+    by that group and only that group. The `/dev/shm/sglang_loads_*` file SGLang leaves behind
+    is removed only when one of this server's processes held it open.
     """
 
     python: str

@@ -1,13 +1,7 @@
 """Test-only SGLang plugin: scheduler-thread time spent inside a radix-cache backend, per request.
 
 Found by SGLang's `load_plugins()` only when this folder is on PYTHONPATH (the dist-info beside
-it declares the entry point; nothing is installed). With LOADBACK_SCHED_PROBE_FILE set it
-registers two backends that build the real ones unchanged and time their scheduler-facing
-hooks: `probe-loadback` (this product's `loadback`) and `probe-upstream` (SGLang's own choice
-under `--enable-lmcache`, upstream's LMCacheUnifiedRadixCache). Each finished or aborted
-request appends one JSON line: its rid, the seconds the scheduler thread spent in the hooks
-for it (outermost calls only) and the slowest single call. Hooks with no request (e.g.
-`check_hicache_events`) are summed under "unattributed".
+it declares the entry point; nothing is installed); active with LOADBACK_SCHED_PROBE_FILE set.
 """
 
 from __future__ import annotations
@@ -34,6 +28,11 @@ def _rid(args):
 
 
 class _Probe:
+    """Times a cache's scheduler-facing hooks. Each finished or aborted request appends one
+    JSON line: its rid, the seconds the scheduler thread spent in the hooks for it (outermost
+    calls only) and the slowest single call. Hooks with no request (e.g.
+    `check_hicache_events`) are summed under "unattributed"."""
+
     def __init__(self, path: str) -> None:
         self.path = path
         self.local = threading.local()
@@ -78,6 +77,9 @@ class _Probe:
 
 
 def register() -> None:
+    """Register two backends that build the real ones unchanged and time their hooks:
+    `probe-loadback` (this product's `loadback`) and `probe-upstream` (SGLang's own choice
+    under `--enable-lmcache`, upstream's LMCacheUnifiedRadixCache)."""
     path = os.environ.get("LOADBACK_SCHED_PROBE_FILE")
     if not path:
         return
