@@ -1,0 +1,104 @@
+"""`LoadBackConnector`: vLLM's KV connector v1 class, one instance per role and process.
+
+The scheduler role (EngineCore) answers hits and plans loads and stores (`scheduler.py`); the
+worker role (Worker) moves the bytes (`worker.py`); what passes between them each step is
+`meta.LoadBackMeta`. Loads are synchronous (loaded in `start_load_kv`, before the forward);
+stores run in `wait_for_save`, after it. Only the methods of the process's own role are
+called by vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from . import settings as _settings
+from .meta import LoadBackMeta
+
+log = logging.getLogger("loadback.vllm")
+
+
+class LoadBackConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = _settings.from_vllm(vllm_config, kv_cache_config)
+        self.scheduler = self.worker = None
+        self._failed_now: set[str] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            from .scheduler import SchedulerSide
+
+            _settings.warn_failure_policy(self.settings)
+            self.scheduler = SchedulerSide(self.settings)
+        else:
+            from .worker import WorkerSide
+
+            self.worker = WorkerSide(self.settings,
+                                     kv_cache_config.kv_cache_groups[0].layer_names)
+        log.info("loadback: vLLM connector (%s) for daemon %s (config: %s)", role.name,
+                 self.settings.config.endpoint, self.settings.source)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a future miss
+
+    # ------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self.worker.register(kv_caches)
+
+    def _meta(self) -> LoadBackMeta | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, LoadBackMeta) else None
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._meta()
+        self._failed_now = self.worker.start_load(meta) if meta and meta.loads else set()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole before the forward starts
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # stores run once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if meta and meta.stores:
+            self.worker.save(meta, self._failed_now)
+        self._failed_now = set()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_errors() if self.worker is not None else set()
+
+    # ---------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def shutdown(self) -> None:
+        for side in (self.scheduler, self.worker):
+            if side is not None:
+                side.close()

@@ -1,0 +1,94 @@
+"""vLLM's CPU paged KV cache as the engine-neutral `KVLayout` / `KVPool` see it.
+
+vLLM 0.32's CPU attention (`CPU_ATTN`) keeps each layer as one `[num_blocks, num_kv_heads,
+block_size, 2 * head_size]` tensor that its kernel reads as `[num_blocks, num_kv_heads,
+2 * block_size, head_size]`: per block and head, `block_size` K rows, then `block_size` V rows
+(v1/attention/backends/cpu_attn.py). A token's slot is `block_id * block_size + offset`, but its
+heads are not contiguous (head-major inside a block), so no `[slots, heads, head_size]` view of
+the layer exists. `PagedCPUView` therefore gives the core a token-major staging `KVPool` of
+`staging_tokens` slots and moves whole blocks between it and the paged layers: one
+`index_copy_` / `index_select` per layer. Loads and stores are whole blocks (a chunk is a whole
+number of blocks, a local hit is block aligned).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from lmcache_loadback.connectors.errors import UnsupportedKVPool
+from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool, check_pool
+
+
+class PagedCPUView:
+    """The paged layers of one vLLM worker (in `layout`'s layer order) and a staging pool."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout, block_size: int,
+                 staging_tokens: int) -> None:
+        if len(layers) != layout.num_layers:
+            raise UnsupportedKVPool(f"loadback: vLLM registered {len(layers)} KV layers, its "
+                                    f"KV cache config names {layout.num_layers}")
+        first = layers[0]
+        h, d, bs = layout.num_heads, layout.head_dim, block_size
+        want = (first.shape[0], h, bs, 2 * d)
+        for i, t in enumerate(layers):
+            if (tuple(t.shape) != want or t.dtype != layout.dtype or t.device.type != "cpu"
+                    or not t.is_contiguous()):
+                raise UnsupportedKVPool(
+                    f"loadback: KV layer {i} is {tuple(t.shape)} {t.dtype} on {t.device} "
+                    f"(contiguous: {t.is_contiguous()}); the vLLM connector serves vLLM's CPU "
+                    f"layout [num_blocks, num_kv_heads, block_size, 2*head_size] = {want} "
+                    f"{layout.dtype}, contiguous, on CPU")
+        self.layout = layout
+        self.block_size = bs
+        self.num_blocks = int(first.shape[0])
+        # [blocks, heads, K|V, block_size, head_size]: the kernel's own reading of the bytes
+        self._blocks = [t.view(self.num_blocks, h, 2, bs, d) for t in layers]
+        self.staging_tokens = staging_tokens
+        shape = (staging_tokens, h, d)
+        self.pool = KVPool([torch.zeros(shape, dtype=layout.dtype) for _ in layers],
+                           [torch.zeros(shape, dtype=layout.dtype) for _ in layers])
+        check_pool(layout, self.pool)
+        self._slots = torch.arange(staging_tokens, dtype=torch.int64)
+
+    def slots(self, n: int) -> torch.Tensor:
+        """The staging slots of the first `n` tokens of a load or store."""
+        return self._slots[:n]
+
+    def _index(self, block_ids: Sequence[int], tokens: int) -> torch.Tensor:
+        nb = len(block_ids)
+        if tokens != nb * self.block_size or tokens > self.staging_tokens:
+            raise ValueError(f"{tokens} tokens in {nb} blocks of {self.block_size} "
+                             f"(staging holds {self.staging_tokens})")
+        idx = torch.tensor(list(block_ids), dtype=torch.int64)
+        if nb and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
+            raise ValueError(f"block ids {list(block_ids)} outside [0, {self.num_blocks})")
+        return idx
+
+    def to_blocks(self, block_ids: Sequence[int], tokens: int) -> None:
+        """Staging slots [0, tokens) -> the blocks `block_ids`, every layer, K and V."""
+        idx = self._index(block_ids, tokens)
+        nb, bs, h, d = len(block_ids), self.block_size, self.layout.num_heads, self.layout.head_dim
+        for k, v, dst in zip(self.pool.k_buffer, self.pool.v_buffer, self._blocks):
+            src = torch.stack((k[:tokens].view(nb, bs, h, d).transpose(1, 2),
+                               v[:tokens].view(nb, bs, h, d).transpose(1, 2)), dim=2)
+            dst.index_copy_(0, idx, src)
+
+    def from_blocks(self, block_ids: Sequence[int], tokens: int) -> None:
+        """The blocks `block_ids` -> staging slots [0, tokens), every layer, K and V."""
+        idx = self._index(block_ids, tokens)
+        nb, bs, h, d = len(block_ids), self.block_size, self.layout.num_heads, self.layout.head_dim
+        for k, v, src in zip(self.pool.k_buffer, self.pool.v_buffer, self._blocks):
+            blk = src.index_select(0, idx)  # [nb, heads, 2, bs, d]
+            k[:tokens].view(nb, bs, h, d).copy_(blk[:, :, 0].transpose(1, 2))
+            v[:tokens].view(nb, bs, h, d).copy_(blk[:, :, 1].transpose(1, 2))
+
+
+def ordered_layers(kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str]
+                   ) -> list[torch.Tensor]:
+    """The registered tensors in the KV cache config's layer order (every rank, every start)."""
+    missing = [n for n in layer_names if n not in kv_caches]
+    if missing:
+        raise UnsupportedKVPool(f"loadback: vLLM registered no KV cache for layer(s) {missing}")
+    return [kv_caches[n] for n in layer_names]

@@ -1,0 +1,291 @@
+"""The scheduler side (vLLM's EngineCore process): LOOKUPs off the scheduler thread, promises,
+what each step ships to the worker, releases.
+
+vLLM asks `get_num_new_matched_tokens` on every scheduling pass of a waiting request and must
+never wait on the daemon: the first ask queues the request's LOOKUP (the core's `match`, bounded
+by deadlines.lookup_ms) for one worker thread and answers `None` (ask again); later passes
+answer the hit once it is known, or a miss once the lookup deadline has passed (the LOOKUP is
+then abandoned: the worker thread releases whatever it took). A request's ask is made against a
+local hit; a different local hit (or a request coming back after its load was shipped, e.g.
+preempted) voids it and asks again under a new session id. A request whose load failed is never
+promised anything again (vLLM's recompute policy asks again; promising the same hit would loop).
+
+The worker process loads with its own LOOKUP under its own session (the prefix state lives in
+each process's orchestrator); this side's LOOKUP keeps the chunks read-locked until two steps
+after the load was shipped (by then the worker's own LOOKUP holds them), or until the request
+finished, whichever comes first. Its prefixes therefore end `unused` on this process's series;
+loads and stores are counted by the worker's.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from lmcache_loadback.orchestrator.factory import create_orchestrator
+
+from .meta import LoadBackMeta, LoadOp, StoreOp
+from .settings import Settings
+
+log = logging.getLogger("loadback.vllm")
+
+#: steps after shipping a load before this side frees its LOOKUP's read locks
+RELEASE_AFTER_STEPS = 2
+
+
+@dataclass(eq=False)
+class Ask:
+    """One request's LOOKUP against one local hit; answered by the worker thread or by its
+    deadline (a miss)."""
+
+    session: str
+    local: int
+    end: int                  # the prompt tokens the LOOKUP covers (never the whole prompt)
+    deadline: float
+    tokens: int = 0           # tokens to load beyond `local` (0: recompute)
+    done: bool = False
+    abandoned: bool = False   # nobody reads its answer: the worker thread releases it
+    used: bool = False        # its load was allocated and shipped
+    released: bool = False    # its LOOKUP's locks and session were given back
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(eq=False)
+class Track:
+    """A running request's prompt chunks to store once they are all computed."""
+
+    token_ids: list[int]
+    blocks: list[int]
+    stored: bool = False
+    stores: int = 0           # stores shipped (each under its own session)
+
+
+class SchedulerSide:
+    def __init__(self, settings: Settings, *, orchestrator=None) -> None:
+        self.settings = settings
+        self.chunk = settings.chunk_size
+        self.block_size = settings.block_size
+        cfg = settings.config
+        if cfg.metrics.enabled and cfg.metrics.port:
+            # the worker serves metrics.port; this process the next one
+            cfg = msgspec.structs.replace(
+                cfg, metrics=msgspec.structs.replace(cfg.metrics, port=cfg.metrics.port + 1))
+        self.orch = orchestrator or create_orchestrator(cfg, layout=settings.layout,
+                                                        kv_pool=None)
+        self._asks: dict[str, Ask] = {}
+        self._attempts: dict[str, int] = {}
+        self._failed: set[str] = set()
+        self._loads: dict[str, LoadOp] = {}               # to ship with the next step
+        self._shipped: dict[str, tuple[int, Ask]] = {}    # rid -> (step, ask) to release
+        self._load_blocks: dict[str, set[int]] = {}       # rid -> blocks of its load
+        self._tracks: dict[str, Track] = {}
+        self._step = 0
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="loadback-vllm-lookup",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ vLLM calls
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        toks = request.prompt_token_ids
+        if toks is None or rid in self._failed or self._closed:
+            return 0, False
+        # never the whole prompt (one token is left to compute), never more than staging
+        limit = min(len(toks) - 1, num_computed_tokens + self.settings.staging_tokens)
+        end = limit // self.chunk * self.chunk
+        ask = self._asks.get(rid)
+        if ask is not None and (ask.local != num_computed_tokens or ask.used or ask.end != end):
+            self._drop(rid)
+            ask = None
+        if end <= num_computed_tokens:
+            return 0, False
+        if ask is None:
+            ask = self._submit(rid, list(toks[:end]), num_computed_tokens, end)
+        with ask.lock:
+            if not ask.done and time.monotonic() >= ask.deadline:
+                ask.done, ask.abandoned, ask.tokens = True, True, 0
+                log.debug("%s: LOOKUP not answered within its deadline: recompute", rid)
+            if not ask.done:
+                return None, False
+            return ask.tokens, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        rid = request.request_id
+        ask = self._asks.get(rid)
+        if ask is None or not ask.done or ask.used:
+            log.warning("%s: vLLM allocated %d external tokens this connector did not "
+                        "promise; they are reported as load errors", rid, num_external_tokens)
+            local = 0 if ask is None else ask.local
+        else:
+            local = ask.local
+            ask.used = True
+        end = local + num_external_tokens
+        ids = list(blocks.get_block_ids()[0])
+        bs = self.block_size
+        attempt = self._attempts.get(rid, 0)
+        self._loads[rid] = LoadOp(session=f"{rid}#load{attempt}",
+                                  token_ids=list(request.prompt_token_ids[:end]), start=local,
+                                  end=end, block_ids=ids[local // bs:-(-end // bs)])
+
+    def build_connector_meta(self, scheduler_output) -> LoadBackMeta:
+        self._step += 1
+        meta = LoadBackMeta(loads=self._loads)
+        self._loads = {}
+        for rid, op in meta.loads.items():
+            self._load_blocks[rid] = set(op.block_ids)
+            ask = self._asks.get(rid)
+            if ask is not None and ask.used:
+                self._shipped[rid] = (self._step, ask)
+        for rid, (step, ask) in list(self._shipped.items()):
+            if self._step - step >= RELEASE_AFTER_STEPS:
+                del self._shipped[rid]
+                self._release(rid, ask)
+        self._collect_stores(scheduler_output, meta)
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        bad = connector_output.invalid_block_ids
+        if not bad:
+            return
+        for rid, blocks in list(self._load_blocks.items()):
+            if blocks & bad:
+                del self._load_blocks[rid]
+                self._failed.add(rid)
+                log.info("%s: load failed, recomputed; no further hit is promised to it", rid)
+                tr = self._tracks.get(rid)
+                if tr is not None:
+                    tr.stored = False  # the worker skipped its store: ship it again later
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._drop(rid)
+        self._shipped.pop(rid, None)
+        self._loads.pop(rid, None)
+        self._load_blocks.pop(rid, None)
+        self._tracks.pop(rid, None)
+        self._failed.discard(rid)
+        self._attempts.pop(rid, None)
+        return False, None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for rid in list(self._asks):
+            self._drop(rid)
+        self._q.put(None)
+        self._thread.join(timeout=5)
+        self.orch.close()
+
+    # ------------------------------------------------------------- plumbing
+
+    def _submit(self, rid: str, token_ids: list[int], local: int, end: int) -> Ask:
+        attempt = self._attempts.get(rid, 0) + 1
+        self._attempts[rid] = attempt
+        cfg = self.orch.config
+        budget = cfg.deadlines.lookup_ms / 1000
+        if cfg.prepare_at_match and self.orch.connector.transfer == "shm":
+            budget += cfg.deadlines.retrieve_s(end - local)  # match prepares the retrieve too
+        ask = Ask(f"{rid}#ask{attempt}", local, end, time.monotonic() + budget)
+        self._asks[rid] = ask
+        self._q.put((ask, token_ids))
+        return ask
+
+    def _serve(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            ask, token_ids = item
+            with ask.lock:
+                if ask.abandoned:
+                    continue  # answered as a miss before it started: nothing taken
+            tokens = 0
+            try:
+                tokens = self.orch.match(ask.session, token_ids,
+                                         local_hit_tokens=ask.local).tokens
+            except Exception:  # noqa: BLE001 - never let the thread die; recompute instead
+                log.exception("%s: match failed; recomputing", ask.session)
+            with ask.lock:
+                late = ask.abandoned
+                if not late:
+                    ask.tokens, ask.done = tokens, True
+            try:
+                if late:
+                    self.orch.abort(ask.session)
+                elif tokens == 0:
+                    self.orch.finish(ask.session)  # a miss: end the session
+            except Exception:  # noqa: BLE001
+                log.exception("%s: release failed", ask.session)
+
+    def _drop(self, rid: str) -> None:
+        """Forget the request's ask; release what its LOOKUP holds (here, or by the worker
+        thread if it is still running)."""
+        ask = self._asks.pop(rid, None)
+        if ask is None:
+            return
+        if self._shipped.get(rid, (None, None))[1] is ask:
+            del self._shipped[rid]
+        with ask.lock:
+            running = not ask.done
+            ask.done = ask.abandoned = True
+        if not running and ask.tokens > 0:
+            self._release(rid, ask)
+
+    def _release(self, rid: str, ask: Ask) -> None:
+        if ask.tokens > 0 and not ask.released:
+            ask.released = True
+            self.orch.finish(ask.session)
+
+    def _collect_stores(self, so, meta: LoadBackMeta) -> None:
+        """Ship a store for each request whose prompt's whole chunks are computed by the end
+        of this step (at most `staging_tokens`), once per request."""
+        sched = so.num_scheduled_tokens
+        cap = self.settings.staging_tokens
+        for new in so.scheduled_new_reqs:
+            toks = new.prompt_token_ids
+            end = min(len(toks) // self.chunk * self.chunk, cap) if toks is not None else 0
+            if end == 0:
+                continue
+            tr = self._tracks.get(new.req_id)
+            if tr is None:
+                tr = self._tracks[new.req_id] = Track(list(toks[:end]), [])
+            tr.blocks = list(new.block_ids[0])
+            if not tr.stored:
+                self._maybe_store(new.req_id, tr, new.num_computed_tokens + sched.get(new.req_id, 0),
+                              meta)
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            tr = self._tracks.get(rid)
+            if tr is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if rid in resumed:
+                tr.blocks = list(nb[0]) if nb is not None else []
+            elif nb is not None:
+                tr.blocks.extend(nb[0])
+            if not tr.stored:
+                self._maybe_store(rid, tr, cached.num_computed_tokens[i] + sched.get(rid, 0),
+                                  meta)
+
+    def _maybe_store(self, rid: str, tr: Track, computed: int, meta: LoadBackMeta) -> None:
+        n = len(tr.token_ids)
+        nb = n // self.block_size
+        if computed < n or len(tr.blocks) < nb:
+            return
+        tr.stored = True
+        tr.stores += 1
+        meta.stores[rid] = StoreOp(f"{rid}#store{tr.stores}", tr.token_ids, tr.blocks[:nb])

@@ -1,0 +1,124 @@
+"""The connector's settings from vLLM's config: the product's YAML, LMCache's `lmcache.mp.*`
+keys, the KV geometry from vLLM's KV cache config, and the start-up refusals.
+
+Both sides (scheduler and worker) derive the same values from the same vLLM config, so what
+the scheduler promises is what the worker can load (chunk alignment, staging size).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from lmcache_loadback.connectors.errors import UnsupportedKVPool
+from lmcache_loadback.connectors.kv_layout import KVLayout
+from lmcache_loadback.orchestrator import LoadBackConfig
+
+log = logging.getLogger("loadback.vllm")
+
+CONFIG_KEY = "loadback.config_file"
+STAGING_KEY = "loadback.staging_tokens"
+FIX = "start vLLM without --kv-transfer-config (or with another kv_connector)"
+
+
+@dataclass(frozen=True)
+class Settings:
+    config: LoadBackConfig
+    layout: KVLayout          # what the daemon registers (layers, KV heads, head size, dtype)
+    block_size: int           # vLLM's --block-size
+    staging_tokens: int       # the most tokens one load or store moves (whole chunks)
+    failure_policy: str       # vLLM's kv_load_failure_policy
+    source: str               # where the config came from, for log lines
+
+    @property
+    def chunk_size(self) -> int:
+        return self.config.chunk_size
+
+
+def read_config(extra: dict[str, Any]) -> tuple[LoadBackConfig, str]:
+    """The product's YAML (`loadback.config_file`), else the defaults; LMCache's own
+    `lmcache.mp.host` / `lmcache.mp.port` keys override the daemon's address."""
+    path = extra.get(CONFIG_KEY)
+    cfg = LoadBackConfig.from_yaml(path) if path else LoadBackConfig()
+    changes: dict[str, Any] = {}
+    host = extra.get("lmcache.mp.host")
+    if host:
+        changes["mp_host"] = str(host).removeprefix("tcp://")
+    port = extra.get("lmcache.mp.port")
+    if port not in (None, ""):
+        changes["mp_port"] = int(port)
+    if changes:
+        cfg = LoadBackConfig.from_dict(
+            {**msgspec.to_builtins(cfg), **changes}, source=f"{path or '<defaults>'} + "
+            "kv_connector_extra_config")
+    return cfg, str(path or "built-in defaults")
+
+
+def from_vllm(vllm_config, kv_cache_config) -> Settings:
+    """Settings for this engine; UnsupportedKVPool / ValueError (one line naming the fix) for
+    what this connector does not serve."""
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(ktc.kv_connector_extra_config or {})
+    par = vllm_config.parallel_config
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    if tp != 1 or pp != 1:
+        raise ValueError(
+            f"loadback: the vLLM connector supports --tensor-parallel-size 1 and "
+            f"--pipeline-parallel-size 1 only (got {tp} and {pp}); start with both at 1, or "
+            f"{FIX}")
+    cfg, source = read_config(extra)
+    if cfg.mode != "mp":
+        raise ValueError(f"loadback: {source}: mode {cfg.mode!r} is not supported by the vLLM "
+                         "connector; set mode: mp (the LMCache daemon over ZMQ)")
+    block_size = int(vllm_config.cache_config.block_size)
+    layout = layout_of(kv_cache_config, cfg.chunk_size)
+    if cfg.chunk_size % block_size:
+        raise ValueError(
+            f"loadback: chunk_size {cfg.chunk_size} ({source}, the daemon's --chunk-size) is "
+            f"not a multiple of vLLM's --block-size {block_size}; use a chunk size that is")
+    max_len = int(vllm_config.model_config.max_model_len)
+    staging = int(extra.get(STAGING_KEY) or max_len)
+    staging = staging // cfg.chunk_size * cfg.chunk_size
+    if staging <= 0:
+        raise ValueError(f"loadback: {STAGING_KEY} ({staging}) must hold at least one chunk "
+                         f"({cfg.chunk_size} tokens)")
+    return Settings(cfg, layout, block_size, staging, str(ktc.kv_load_failure_policy), source)
+
+
+def layout_of(kv_cache_config, chunk_size: int) -> KVLayout:
+    """The chunk layout from vLLM's KV cache config: one full-attention group, K and V of one
+    head size, no quantized KV; anything else refused at start-up."""
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    if len(groups) != 1:
+        raise UnsupportedKVPool(
+            f"loadback: the model has {len(groups)} KV cache groups (hybrid attention); the "
+            f"vLLM connector serves one full-attention group only; {FIX}")
+    spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    quant = getattr(spec, "kv_quant_mode", None)
+    if (kind != "FullAttentionSpec" or getattr(spec, "sliding_window", None)
+            or getattr(spec, "attention_chunk_size", None)
+            or (quant is not None and getattr(quant, "value", quant) != 0)
+            or getattr(spec, "head_size_v", spec.head_size) != spec.head_size):
+        raise UnsupportedKVPool(
+            f"loadback: KV cache spec {kind} is not full attention with K and V of one head "
+            f"size; the vLLM connector serves full-attention MHA/GQA only; {FIX}")
+    dtype = spec.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedKVPool(f"loadback: KV cache dtype {dtype!r} is not a torch dtype; {FIX}")
+    return KVLayout(len(groups[0].layer_names), int(spec.num_kv_heads), int(spec.head_size),
+                    dtype, chunk_size)
+
+
+def warn_failure_policy(settings: Settings) -> None:
+    """vLLM's default kv_load_failure_policy fails the request when a load fails."""
+    if settings.failure_policy == "fail":
+        log.warning(
+            "loadback: kv_load_failure_policy is 'fail': a load the LMCache daemon fails "
+            "(daemon down, killed or restarted between LOOKUP and RETRIEVE) fails that request "
+            "(HTTP 500) instead of recomputing it; add \"kv_load_failure_policy\": \"recompute\" "
+            "to --kv-transfer-config to recompute instead")

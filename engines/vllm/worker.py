@@ -1,0 +1,135 @@
+"""The worker side (vLLM's Worker process): the paged KV view, loads before the forward, stores
+after it, load errors reported in the pass they happened.
+
+Each load is its own prefix on this process's orchestrator: `match` (a LOOKUP under the load's
+own session, keyed by the prompt's first `end` tokens, local hit `start`) then `load_back` into
+the staging slots within the retrieve deadline, then the staged blocks are copied into vLLM's
+blocks. All or nothing: unless every promised token landed, nothing is copied into vLLM's
+blocks and all of the load's blocks are reported by `get_block_ids_with_load_errors` (vLLM then
+fails or recomputes the request by its kv_load_failure_policy). Stores copy the request's
+blocks to staging and `store` them bounded by deadlines.store_ms; a store of a request whose
+load failed in the same step is skipped (its blocks are not computed yet).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import msgspec
+import torch
+
+from lmcache_loadback.orchestrator.factory import create_orchestrator
+
+from .meta import LoadBackMeta, LoadOp, StoreOp
+from .paged import PagedCPUView, ordered_layers
+from .settings import Settings
+
+log = logging.getLogger("loadback.vllm")
+
+
+class WorkerSide:
+    def __init__(self, settings: Settings, layer_names: Sequence[str]) -> None:
+        self.settings = settings
+        self.layer_names = list(layer_names)
+        self.view: PagedCPUView | None = None
+        self.orch = None
+        self._errors: set[int] = set()
+        self.loads_failed = 0
+        self.loads_done = 0
+        self.stores_done = 0
+
+    def worker_config(self):
+        """The scheduler decided whether a hit is worth loading: this side loads any hit."""
+        cfg = self.settings.config
+        return msgspec.structs.replace(cfg, break_even=msgspec.structs.replace(
+            cfg.break_even, min_tokens=0, prefill_tokens_per_s=0.0))
+
+    def register(self, kv_caches: dict[str, torch.Tensor], *, orchestrator=None) -> None:
+        s = self.settings
+        self.view = PagedCPUView(ordered_layers(kv_caches, self.layer_names), s.layout,
+                                 s.block_size, s.staging_tokens)
+        self.orch = orchestrator or create_orchestrator(
+            self.worker_config(), layout=s.layout, kv_pool=self.view.pool)
+        log.info("loadback: vLLM worker registered %d KV layers (%d blocks of %d tokens, "
+                 "%d heads x %d, %s), daemon %s, chunk %d, staging %d tokens", s.layout.num_layers,
+                 self.view.num_blocks, s.block_size, s.layout.num_heads, s.layout.head_dim,
+                 s.layout.dtype_str, s.config.endpoint, s.chunk_size, s.staging_tokens)
+
+    # ------------------------------------------------------------------ loads
+
+    def start_load(self, meta: LoadBackMeta) -> set[str]:
+        """Every load of this step, one after another; the request ids that failed."""
+        failed: set[str] = set()
+        for rid, op in meta.loads.items():
+            if not self._load(op):
+                failed.add(rid)
+                self.loads_failed += 1
+                self._errors.update(op.block_ids)
+            else:
+                self.loads_done += 1
+        return failed
+
+    def _load(self, op: LoadOp) -> bool:
+        n = op.end - op.start
+        if self.orch is None or self.view is None or n <= 0 or n > self.view.staging_tokens \
+                or len(op.block_ids) * self.settings.block_size != n:
+            log.warning("%s: load of tokens [%d, %d) into %d blocks cannot be served; "
+                        "reported as a load error", op.session, op.start, op.end,
+                        len(op.block_ids))
+            return False
+        try:
+            got = self.orch.match(op.session, op.token_ids, local_hit_tokens=op.start)
+            if got.tokens != n:
+                log.info("%s: the daemon now holds %d of the %d promised tokens (%s); load "
+                         "error, recomputed", op.session, got.tokens, n,
+                         got.reason.value if got.reason else "miss")
+                return False
+            res = self.orch.load_back(op.session, self.view.slots(n))
+            if res.loaded_tokens != n:
+                log.info("%s: load failed (%s); load error, recomputed", op.session,
+                         res.reason.value if res.reason else res.state)
+                return False
+            self.view.to_blocks(op.block_ids, n)
+            return True
+        except Exception:  # noqa: BLE001 - a load error, never an engine crash
+            log.exception("%s: load failed; load error, recomputed", op.session)
+            return False
+        finally:
+            self._finish(op.session)
+
+    def take_errors(self) -> set[int]:
+        out, self._errors = self._errors, set()
+        return out
+
+    # ----------------------------------------------------------------- stores
+
+    def save(self, meta: LoadBackMeta, skip: set[str]) -> None:
+        for rid, op in meta.stores.items():
+            if rid not in skip:
+                self._store(op)
+
+    def _store(self, op: StoreOp) -> bool:
+        n = len(op.token_ids)
+        if self.orch is None or self.view is None:
+            return False
+        try:
+            self.view.from_blocks(op.block_ids, n)
+            ok = self.orch.store(op.session, op.token_ids, self.view.slots(n))
+            self.stores_done += int(ok)
+            return ok
+        except Exception:  # noqa: BLE001 - a lost store is a future miss, never a crash
+            log.exception("%s: store failed", op.session)
+            return False
+        finally:
+            self._finish(op.session)
+
+    def _finish(self, session: str) -> None:
+        try:
+            self.orch.finish(session)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: finish failed", session)
+
+    def close(self) -> None:
+        if self.orch is not None:
+            self.orch.close()

@@ -1,0 +1,178 @@
+"""The vLLM connector against the real lmcache 0.5.6 daemon, on vLLM 0.32's own classes.
+
+Run: .venv-vllm/bin/python -m pytest tests/vllm -m "not e2e" -q
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lmcache_loadback.connectors.ports import free_port
+
+from .conftest import CHUNK
+from .mini_engine import BLOCK, LAYERS, MiniEngine, kv_value
+
+pytestmark = pytest.mark.daemon
+
+PROMPT = [5 + (i * 13) % 4000 for i in range(200)]   # 200 tokens: 3 whole chunks of 64
+HIT = (len(PROMPT) - 1) // CHUNK * CHUNK               # 192: never the whole prompt
+
+
+def wait_until(cond, timeout_s: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        time.sleep(0.02)
+
+
+def released(daemon) -> bool:
+    h = daemon.held()
+    return h["read_locks"] == 0 and h["sessions"] == 0 and h["prefetch_jobs"] == 0
+
+
+@pytest.fixture
+def engine(model_config, daemon, yaml_for):
+    eng = MiniEngine(model_config, {"loadback.config_file": yaml_for(daemon.port)})
+    try:
+        assert eng.wait_registered(), "connector never registered with the daemon"
+        yield eng
+    finally:
+        eng.close()
+
+
+def stored(eng: MiniEngine, rid: str = "src"):
+    """Prefill `rid` (a miss) so that the daemon holds PROMPT's whole chunks."""
+    req = eng.request(rid, PROMPT)
+    res = eng.prefill(req)
+    assert res.hits == {rid: 0} and not res.load_errors
+    assert eng.worker.worker.stores_done >= 1
+    return req, res.blocks[rid]
+
+
+def test_store_then_load_is_byte_exact_into_other_blocks(engine, daemon):
+    src, src_blocks = stored(engine)
+    dst = engine.request("dst", PROMPT)
+    ask = engine.ask(dst)
+    assert ask[0] == HIT
+    res = engine.prefill(dst, ask=ask, from_end=True)
+    assert not res.load_errors and engine.worker.worker.loads_done == 1
+    dst_blocks = res.blocks["dst"]
+    assert not set(dst_blocks) & set(src_blocks)
+    for j in range(HIT // BLOCK):
+        for layer in engine.layers:   # every head, K and V rows, bit for bit
+            assert torch.equal(layer[src_blocks[j]].view(torch.int16),
+                               layer[dst_blocks[j]].view(torch.int16)), (j, src_blocks[j])
+    for pos in (0, 31, 32, 63, 64, 150, HIT - 1):   # each token's rows where the kernel reads
+        for li in range(LAYERS):
+            k, v = engine.token_kv("dst", pos, li)
+            want = kv_value(PROMPT[pos], pos, li)
+            assert bool((k == want).all()) and bool((v == -want).all()), (pos, li)
+    engine.finish(src)
+    engine.finish(dst)
+    wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")
+
+
+def test_absent_daemon_answers_a_miss_at_once(model_config, yaml_for):
+    port = free_port()   # nobody listens here
+    eng = MiniEngine(model_config, {"loadback.config_file": yaml_for(port)})
+    try:
+        n, secs, _ = eng.ask(eng.request("r", PROMPT))
+        assert n == 0 and secs < 0.2 + 0.1   # within the lookup deadline (200 ms)
+        res = eng.prefill(eng.requests["r"], ask=(0, 0, 0))
+        assert not res.load_errors
+    finally:
+        eng.close()
+
+
+def test_stopped_daemon_answers_a_miss_within_the_lookup_deadline(engine, daemon):
+    src, _ = stored(engine)
+    daemon.pause()
+    try:
+        req = engine.request("stuck", PROMPT)
+        n, secs, nones = engine.ask(req)
+        # None while it may still answer, then a miss by the deadline (200 ms + polling)
+        assert n == 0 and nones >= 1 and secs < 0.2 + 0.1, (n, secs, nones)
+        # the scheduler was never blocked: every pass returned at once
+        t0 = time.monotonic()
+        assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert time.monotonic() - t0 < 0.01
+    finally:
+        daemon.resume()
+    # hits come back by themselves; the abandoned LOOKUP is released
+    k = iter(range(10_000))
+    wait_until(lambda: engine.ask(engine.request(f"again{next(k)}", PROMPT))[0] == HIT,
+               what="a hit after SIGCONT")
+    for rid in list(engine.requests):
+        engine.finish(engine.requests[rid])
+    wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")
+
+
+def test_daemon_killed_between_lookup_and_retrieve(engine, daemon):
+    stored(engine)
+    req = engine.request("victim", PROMPT)
+    ask = engine.ask(req)
+    assert ask[0] == HIT                      # the scheduler's LOOKUP hit
+    stores_before = engine.worker.worker.stores_done
+    t0 = time.monotonic()
+    res = engine.prefill(req, ask=ask, from_end=True, before_load=daemon.kill)
+    took = time.monotonic() - t0
+    load_blocks = set(res.blocks["victim"][:HIT // BLOCK])
+    assert res.load_errors == load_blocks     # every promised block, reported in this pass
+    assert took < 0.2 + 2.0 + 0.5             # lookup + retrieve deadlines, not 300 s
+    assert engine.idle_step() == set()        # exactly once
+    assert engine.worker.worker.stores_done == stores_before   # its store was skipped
+    # vLLM's recompute policy asks again: never the same hit, not even from a live daemon
+    assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    daemon.start()
+    k = iter(range(10_000))
+
+    def hit_again() -> bool:
+        r = engine.request(f"after{next(k)}", PROMPT)
+        n = engine.ask(r)[0]
+        if n == 0:
+            engine.prefill(r, ask=(0, 0, 0))  # stores PROMPT in the new daemon
+        return n == HIT
+    wait_until(hit_again, what="hits after the daemon restarted")
+    assert engine.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    for rid in list(engine.requests):
+        engine.finish(engine.requests[rid])
+    wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")
+
+
+def test_finished_and_aborted_requests_leave_nothing_held(engine, daemon):
+    from vllm.v1.request import RequestStatus
+
+    src, _ = stored(engine)
+    engine.finish(src)
+    wait_until(lambda: released(daemon), what="released after the store")
+    # a promise never loaded (aborted while waiting): its LOOKUP's locks and session go
+    aborted = engine.request("aborted", PROMPT)
+    assert engine.ask(aborted)[0] == HIT
+    assert daemon.held()["read_locks"] > 0
+    aborted.status = RequestStatus.FINISHED_ABORTED
+    engine.finish(aborted)
+    wait_until(lambda: released(daemon), what="released after an abort")
+    # a loaded request: released two steps after its load, and at its end
+    done = engine.request("done", PROMPT)
+    res = engine.prefill(done)
+    assert res.hits == {"done": HIT} and not res.load_errors
+    engine.idle_step()
+    engine.idle_step()
+    engine.finish(done)
+    wait_until(lambda: released(daemon), what="released after a finished load")
+    # a LOOKUP still running when the request ends (the daemon stopped) is released later
+    daemon.pause()
+    try:
+        gone = engine.request("gone", PROMPT)
+        assert engine.sched.get_num_new_matched_tokens(gone, 0) == (None, False)
+        engine.finish(gone)
+    finally:
+        daemon.resume()
+    wait_until(lambda: released(daemon), what="released after an abandoned LOOKUP")
