@@ -1,10 +1,8 @@
-"""What the orchestrator needs from a daemon connector.
+"""The connector contract: what the orchestrator needs from a daemon connector, whole.
 
-Implemented by `LMCacheMPConnector` (the daemon over ZMQ) and `InMemoryConnector` (no I/O;
-benchmarks of the orchestrator's own cost and property tests). Every method is called by
-the orchestrator only, from the scheduler thread or the heartbeat thread, and must return
-or raise a `connectors.errors.ConnectorError` within the timeout it is given: it must never
-block longer, never retry, never count metrics.
+Implemented by `LMCacheMPConnector` (the daemon over ZMQ) and `InMemoryConnector` (no I/O).
+Every call returns or raises a `ConnectorError` within the timeout it is given: never
+longer, never retried inside, never counted in metrics.
 """
 
 from __future__ import annotations
@@ -15,11 +13,12 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 import torch
 
 from .kv_layout import KVLayout
+from .retrieval import Retrieval
 
 
 @dataclass
 class Retrieved:
-    """What `retrieve_into` landed, and what the daemon is still owed for it.
+    """What `retrieve_into` landed.
 
     Returned only when every promised byte is in the slots (or will be once `ready` has
     completed): the load has landed whatever happens to the daemon afterwards.
@@ -27,18 +26,52 @@ class Retrieved:
 
     #: Bytes written into the engine's KV slots.
     nbytes: int
-    #: commit_retrieve, unsent: the caller pays it off the request path (an owed release
-    #: tied to the connection epoch), after `ready` has completed, so the daemon's buffer
-    #: is released only once the copy has finished reading it. None: nothing is owed.
+    #: The retrieval's release (its commit_retrieve, unsent), for callers that pay it
+    #: themselves; the orchestrator pays its own `Retrieval` off the request path, after
+    #: `ready` has completed. None: nothing is owed.
     commit: Callable[[float], object] | None = None
     #: A completion handle (a torch.cuda.Event) that the engine's stream waits on before it
     #: reads the slots; None when the copy had finished before retrieve_into returned.
     ready: object | None = None
 
 
+@dataclass
+class Prepared:
+    """A range the daemon has prepared for retrieval (`Connector.prepare`).
+
+    `chunks` are validated host tensors (views into the daemon's segment in shm mode,
+    decoded tensors in pickle mode); `retrieval` owes the range's commit_retrieve on every
+    path, to the daemon incarnation it was prepared on (a restarted daemon voids it)."""
+
+    start: int
+    end: int
+    chunks: list
+    retrieval: Retrieval
+    #: The transfer mode it was prepared in ("shm" or "pickle").
+    transfer: str
+
+    @property
+    def epoch(self) -> int:
+        return self.retrieval.epoch
+
+
 @runtime_checkable
 class Connector(Protocol):
+    """Every method and attribute the orchestrator and the engine hooks use; a connector
+    that cannot do something still has the member and says so (`InMemoryConnector`)."""
+
     layout: KVLayout
+    #: Where the daemon is, for operators' lines ("in-memory" where there is none).
+    endpoint: str
+    #: The transfer mode in use: "shm" or "pickle" (for "auto", what the last
+    #: registration chose); any other value names a connector with no daemon behind it,
+    #: which the orchestrator never asks to `prepare`.
+    transfer: str
+    #: The transfer mode configured ("auto", "shm", "pickle", or the connector's own).
+    transfer_setting: str
+    #: Whether this rank STOREs: False on a rank whose stores another rank makes for it
+    #: (TP-replicated MLA: TP rank 0 writes the one copy).
+    writer: bool
 
     @property
     def chunk_size(self) -> int: ...
@@ -52,6 +85,10 @@ class Connector(Protocol):
     def late_replies(self) -> int:
         """Replies that arrived after their caller gave up (dropped, never used)."""
 
+    @property
+    def fences_dropped(self) -> int:
+        """Abandoned calls no longer tracked (their fence never answered in time)."""
+
     def register(self, timeout_s: float) -> object:
         """Called at start and after every restart by the heartbeat; idempotent."""
 
@@ -60,6 +97,9 @@ class Connector(Protocol):
 
     def ping(self, timeout_s: float) -> bool:
         """Heartbeat and breaker probe; keeps the daemon from reaping this worker."""
+
+    def get_chunk_size(self, timeout_s: float) -> int:
+        """The daemon's own chunk size (its --chunk-size), checked at registration."""
 
     def lookup_hit_tokens(self, token_ids: Sequence[int], request_id: str, timeout_s: float,
                           *, cache_salt: str = "") -> int:
@@ -71,25 +111,29 @@ class Connector(Protocol):
         """Release the lookup's read locks on chunks [start, end): every KV rank's share,
         or with `shard` this rank's alone."""
 
-    def settle_lookup(self, token_ids: Sequence[int], request_id: str, timeout_s: float,
-                      *, cache_salt: str = "") -> bool:
-        """Heartbeat, after a LOOKUP timed out: release what that lookup locked once its
-        result exists; False while it cannot tell yet."""
+    def abandon_lookup(self, token_ids: Sequence[int], request_id: str, timeout_s: float,
+                       *, cache_salt: str = "") -> bool:
+        """Heartbeat, after a LOOKUP whose answer will not be used (it timed out): once its
+        prefetch has finished, release what it locked; False while that is not known yet."""
+
+    def prepare(self, token_ids: Sequence[int], request_id: str, *, start: int, end: int,
+                timeout_s: float, cache_salt: str = "",
+                retrieval: Retrieval | None = None) -> Prepared:
+        """match() with shared memory: prepare_retrieve of [start, end) now, the copy later
+        (`retrieve_into(prepared=)`). `retrieval` (the caller's, made before the call)
+        records what the daemon is owed, whatever happens."""
 
     def retrieve_into(self, token_ids: Sequence[int], request_id: str, pool, slots: torch.Tensor,
                       *, start: int, end: int, timeout_s: float, skip: int = 0,
-                      cache_salt: str = "") -> Retrieved:
+                      cache_salt: str = "", prepared: Prepared | None = None,
+                      retrieval: Retrieval | None = None) -> Retrieved:
         """load_back(): copy tokens [start + skip, end) into `slots` (len end-start-skip).
         All or nothing: a return means every chunk arrived, checked out and landed (or
         lands once `ready` completed); a raise means nothing of this load counts and
         nothing is written after it (a load asked for in pieces may have written part of
-        the slots before failing: the engine recomputes them). The commit is returned unsent
-        (`Retrieved.commit`); a ConnectorError raised after prepare_retrieve was answered
-        carries the daemon's owed release in `exc.owed` the same way.
-
-        Optional, where the connector has them (LMCacheMPConnector): `prepare(...)` sends
-        prepare_retrieve ahead and `retrieve_into(..., prepared=)` only copies; the
-        orchestrator uses them at match when the transfer is shm."""
+        the slots before failing: the engine recomputes them). What the daemon is owed,
+        on a return or a raise, is in `retrieval` (the caller's, made before the call; a
+        prepared range's own): the caller pays it off the request path."""
 
     def store_from(self, token_ids: Sequence[int], request_id: str, pool, slots: torch.Tensor,
                    *, timeout_s: float, cache_salt: str = "") -> bool:

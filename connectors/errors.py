@@ -23,15 +23,10 @@ from __future__ import annotations
 class ConnectorError(Exception):
     """Base of every error raised while talking to the LMCache daemon."""
 
-    #: Whether repeating the same call can succeed (used by retry policies).
+    #: Whether repeating the same call can succeed (used by retry policies). What the
+    #: daemon is owed after a failure is never carried here: a retrieve's `Retrieval`
+    #: (connectors/retrieval.py) records it.
     retry_safe: bool = False
-    #: A release the daemon is owed because of this failure (e.g. commit_retrieve after a
-    #: prepare_retrieve whose data was refused), as `fn(timeout_s)`; the caller pays it off
-    #: the request path. None: nothing owed.
-    owed = None
-    #: True when `owed` settles every read lock of the failed call's range (a pipelined
-    #: retrieve that failed part-way): the caller must not free any of them itself.
-    locks_settled: bool = False
 
 
 class DaemonTimeout(ConnectorError):

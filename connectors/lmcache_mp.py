@@ -31,7 +31,7 @@ import msgspec
 import torch
 
 from . import wire
-from .base import Retrieved
+from .base import Prepared, Retrieved
 from .errors import (
     ConnectorError,
     DaemonRejected,
@@ -46,6 +46,7 @@ from .errors import (
 )
 from .gpu_transfer import GpuTransfer, on_cuda, pool_device
 from .kv_layout import KVLayout, KVPool, check_slots, gather_chunks, scatter_skipping
+from .retrieval import Retrieval
 from .safe_decode import dump_tensor_list, load_tensor_list
 from .transport import ZmqTransport
 
@@ -116,37 +117,6 @@ class _ShmPool:
             self._map.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with it
-
-
-@dataclasses.dataclass
-class Prepared:
-    """A range the daemon has prepared for retrieval (`LMCacheMPConnector.prepare`).
-
-    `chunks` are validated host tensors (views into the daemon's segment in shm mode,
-    decoded tensors in pickle mode); `commit` is owed on every path; `epoch` is the
-    connection epoch it was prepared on (a restarted daemon voids it)."""
-
-    start: int
-    end: int
-    chunks: list
-    commit: Callable[[float], bool]
-    epoch: int
-    transfer: str
-
-
-class _Settle:
-    """Several owed releases paid as one: each step runs once (a retry after a partial
-    payment resumes where it stopped, so no lock is freed twice)."""
-
-    def __init__(self, steps: Sequence[Callable[[float], object]]) -> None:
-        self.steps = list(steps)
-
-    def __call__(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self.steps:
-            self.steps[0](max(0.0, deadline - time.monotonic()))
-            self.steps.pop(0)
-        return True
 
 
 def _refuse_cuda_mla(layout: KVLayout) -> None:
@@ -417,8 +387,8 @@ class LMCacheMPConnector:
                            cache_salt=cache_salt, readers=1 if shard else None)
             self.free_lookup_locks(key, timeout_s)
 
-    def settle_lookup(self, token_ids: Sequence[int], request_id: str, timeout_s: float,
-                      *, cache_salt: str = "") -> bool:
+    def abandon_lookup(self, token_ids: Sequence[int], request_id: str, timeout_s: float,
+                       *, cache_salt: str = "") -> bool:
         """After a LOOKUP whose answer never came: once its prefetch has finished, release
         what it locked. False while it is still running (ask again later).
 
@@ -476,47 +446,58 @@ class LMCacheMPConnector:
             pause = min(pause * 2, 0.002)
 
     def prepare(self, token_ids: Sequence[int], request_id: str, *, start: int, end: int,
-                timeout_s: float, cache_salt: str = "") -> Prepared:
+                timeout_s: float, cache_salt: str = "",
+                retrieval: Retrieval | None = None) -> Prepared:
         """prepare_retrieve of [start, end) now, the copy later (`retrieve_into(prepared=)`).
 
         The daemon moves the lookup's read locks on those chunks to this transfer and hands
-        out where they are (shm) or their bytes (pickle); they stay put until the returned
-        `Prepared.commit` is paid, which the caller owes on every path (after the copy when
-        it loads, at once when it does not). Done at match time it takes the daemon's round
-        trip off the load's critical path. Raises like `retrieve_into`; a raise after the
-        daemon answered carries `exc.owed` (the commit).
+        out where they are (shm) or their bytes (pickle); they stay put until the commit
+        that `retrieval` (the caller's, made before this call) then owes is paid: after the
+        copy when it loads, at once when it does not. Done at match time it takes the
+        daemon's round trip off the load's critical path. Raises like `retrieve_into`;
+        whatever the daemon is owed after a raise is in `retrieval`.
         """
+        r = self._retrieval_for(start, end, retrieval)
         self._check_pickle_size(end - start)
         key = self.key(token_ids, request_id, start=start, end=end, cache_salt=cache_salt)
-        epoch = self.epoch
-        chunks, commit = self._prepare_range(key, (end - start) // self.chunk_size, timeout_s)
-        return Prepared(start=start, end=end, chunks=chunks, commit=commit, epoch=epoch,
+        chunks = self._prepare_range(key, (end - start) // self.chunk_size, timeout_s, r)
+        return Prepared(start=start, end=end, chunks=chunks, retrieval=r,
                         transfer=self.transfer)
 
-    def _prepare_range(self, key: wire.CacheKey, n_chunks: int, timeout_s: float):
-        """One prepare_retrieve: (validated chunks, the owed commit). The commit is owed
-        (`exc.owed` on a raise) whenever the daemon may have served it, answered or not:
-        abandoned at the deadline and served later, it parks the range's read locks (shm)
-        until a commit_retrieve of the same key. Paid after the daemon answered the
-        abandoned call, the commit releases them; if it was never served, or refused,
-        the commit finds no transfer and releases nothing (in pickle mode it never does)."""
+    def _retrieval_for(self, start: int, end: int, retrieval: Retrieval | None) -> Retrieval:
+        """The caller's retrieval of exactly [start, end), or a new one on this epoch."""
+        if retrieval is None:
+            return Retrieval(self.epoch, start, end)
+        if (retrieval.start, retrieval.end) != (start, end):
+            raise ValueError(f"retrieval of [{retrieval.start}, {retrieval.end}) used for "
+                             f"[{start}, {end})")
+        return retrieval
+
+    def _prepare_range(self, key: wire.CacheKey, n_chunks: int, timeout_s: float,
+                       retrieval: Retrieval) -> list[torch.Tensor]:
+        """One prepare_retrieve: its validated chunks. `retrieval` records the call's commit
+        whenever the daemon may serve it, answered or not: abandoned at the deadline and
+        served later, it parks the range's read locks (shm) until a commit_retrieve of the
+        same key. Paid after the daemon answered the abandoned call, the commit releases
+        them; if it was never served, or refused, the commit finds no transfer and releases
+        nothing (in pickle mode it never does). Not sent (DaemonUnavailable) or refused
+        (DaemonRejected): the locks stay the lookup's, nothing is recorded."""
         commit = self._owed_commit(key)
         try:
             reply = self._call("prepare_retrieve", [key, self.instance_id], timeout_s,
                                request_id=key.request_id)
-        except DaemonTimeout as exc:
-            exc.owed = commit
+        except (DaemonUnavailable, DaemonRejected):
+            raise
+        except BaseException:
+            retrieval.asked(key.end, commit)  # sent: the daemon may serve it still
             raise
         if reply is None or not reply.success:
             raise DaemonRejected(
                 f"prepare_retrieve [{key.start}, {key.end}) refused: the lookup locks are gone "
                 "(expired, freed, or the daemon restarted)"
             )
-        try:
-            return self._validated_chunks(reply, n_chunks), commit
-        except ConnectorError as exc:
-            exc.owed = commit
-            raise
+        retrieval.asked(key.end, commit)
+        return self._validated_chunks(reply, n_chunks)
 
     def retrieve_into(
         self,
@@ -531,81 +512,77 @@ class LMCacheMPConnector:
         skip: int = 0,
         cache_salt: str = "",
         prepared: Prepared | None = None,
+        retrieval: Retrieval | None = None,
     ) -> Retrieved:
         """Copy tokens [start + skip, end) into `slots`; [start, end) is chunk-aligned and
         locked by a lookup of `request_id` (or already prepared: `prepared`, from
-        `prepare` of exactly [start, end)); `skip` leading tokens are already cached by
-        the engine.
+        `prepare` of exactly [start, end), whose retrieval this one is); `skip` leading
+        tokens are already cached by the engine.
 
-        validate -> copy -> return. commit_retrieve is not sent here: it comes back unsent
-        (`Retrieved.commit`, or `exc.owed` on a raise after the daemon answered) and the
-        caller pays it off the request path. The shm views stay valid until that commit,
-        so copying before it is sound.
+        validate -> copy -> return. commit_retrieve is not sent here: `retrieval` (the
+        caller's, or a new one) records it as prepare_retrieve goes out, and the caller
+        pays it off the request path (`Retrieved.commit` is its release). The shm views
+        stay valid until that commit, so copying before it is sound.
 
         A CUDA pool on shared memory is loaded in pieces (`piece_plan`): the copy of one
         piece runs while the next piece's prepare_retrieve is in flight. A piece that fails
         after earlier pieces were queued waits for them (nothing writes the slots after the
-        raise); `exc.owed` then pays the sent pieces' commits and frees the locks of the
-        pieces never asked for, and `exc.locks_settled` says so (the caller frees nothing).
-        Whatever reached the slots before a failure is not a load: the caller recomputes.
+        raise); the retrieval then owes the sent pieces' commits and the free of the pieces
+        never asked for (the caller frees none of the range: `locks_moved`). Whatever
+        reached the slots before a failure is not a load: the caller recomputes.
         """
-        if not 0 <= skip < self.chunk_size:
-            raise ValueError(f"skip must be in [0, {self.chunk_size}), got {skip}")
-        if prepared is not None and (prepared.start, prepared.end) != (start, end):
-            raise ValueError(f"prepared range [{prepared.start}, {prepared.end}) is not the "
-                             f"requested [{start}, {end})")
-        # A prepared CUDA load checks the slots while its first copy runs (before any
-        # scatter); everything else checks them before anything is sent or copied.
-        overlap = prepared is not None and on_cuda(pool)
-        try:
-            if len(slots) != end - start - skip:
-                raise SlotsError(f"retrieve of tokens [{start + skip}, {end}) needs "
-                                 f"{end - start - skip} slots, got {len(slots)}")
-            if not overlap:
-                self._check_slots(pool, slots, skip)
-        except SlotsError as exc:
-            if prepared is not None:
-                exc.owed = prepared.commit
-            raise
-        n_chunks = (end - start) // self.chunk_size
-        nbytes = n_chunks * self.layout.chunk_bytes
         if prepared is not None:
-            if prepared.epoch != self.epoch:
-                exc = DaemonUnavailable("the daemon restarted after prepare_retrieve: its "
+            if retrieval is not None and retrieval is not prepared.retrieval:
+                raise ValueError("a prepared range is retrieved under its own retrieval")
+            retrieval = prepared.retrieval
+        self._check_retrieve(pool, slots, start, end, skip, prepared)
+        r = self._retrieval_for(start, end, retrieval)
+        nbytes = (end - start) // self.chunk_size * self.layout.chunk_bytes
+        if prepared is not None:
+            if prepared.epoch != self.epoch:  # r owes the old incarnation: dropped, counted
+                raise DaemonUnavailable("the daemon restarted after prepare_retrieve: its "
                                         "locks and buffers are gone")
-                exc.owed = prepared.commit  # owed to the old incarnation: dropped, counted
-                raise exc
             ready = self._land(pool, prepared.chunks, slots, skip, prepared.transfer,
-                               prepared.commit,
                                check=lambda: self._check_slots(pool, slots, skip))
-            return Retrieved(nbytes=nbytes, commit=prepared.commit, ready=ready)
+            return Retrieved(nbytes=nbytes, commit=r.release, ready=ready)
         self._check_pickle_size(end - start)
+        n_chunks = (end - start) // self.chunk_size
         plan = self.piece_plan(n_chunks) if (on_cuda(pool) and self.transfer == "shm") \
             else [n_chunks]
         if self.force_pieces is not None:
             plan = self.force_pieces(n_chunks)
         if len(plan) > 1:
-            return self._retrieve_pieces(token_ids, request_id, pool, slots, start, end,
-                                         timeout_s, skip, cache_salt, plan)
+            ready = self._retrieve_pieces(token_ids, request_id, pool, slots, timeout_s,
+                                          skip, cache_salt, plan, r)
+            return Retrieved(nbytes=nbytes, commit=r.release, ready=ready)
         key = self.key(token_ids, request_id, start=start, end=end, cache_salt=cache_salt)
-        chunks, commit = self._prepare_range(key, n_chunks, timeout_s)
-        ready = self._land(pool, chunks, slots, skip, self.transfer, commit)
+        chunks = self._prepare_range(key, n_chunks, timeout_s, r)
+        ready = self._land(pool, chunks, slots, skip, self.transfer)
         del chunks
-        return Retrieved(nbytes=nbytes, commit=commit, ready=ready)
+        return Retrieved(nbytes=nbytes, commit=r.release, ready=ready)
 
-    def _land(self, pool: KVPool, chunks, slots, skip: int, transfer: str, commit,
-              check=None):
-        """Copy validated chunks into the slots: the CUDA path (returns `ready`) or the
-        host scatter (returns None). A CUDA failure (or `check`'s SlotsError, run before
-        the first scatter) carries the owed commit."""
+    def _check_retrieve(self, pool: KVPool, slots: torch.Tensor, start: int, end: int,
+                        skip: int, prepared: Prepared | None) -> None:
+        """Refuse bad arguments before anything is sent or copied. A prepared CUDA load
+        checks the slots themselves while its first copy runs (before any scatter)."""
+        if not 0 <= skip < self.chunk_size:
+            raise ValueError(f"skip must be in [0, {self.chunk_size}), got {skip}")
+        if prepared is not None and (prepared.start, prepared.end) != (start, end):
+            raise ValueError(f"prepared range [{prepared.start}, {prepared.end}) is not the "
+                             f"requested [{start}, {end})")
+        if len(slots) != end - start - skip:
+            raise SlotsError(f"retrieve of [{start}+{skip}, {end}) needs "
+                             f"{end - start - skip} slots, got {len(slots)}")
+        if not (prepared is not None and on_cuda(pool)):
+            self._check_slots(pool, slots, skip)
+
+    def _land(self, pool: KVPool, chunks, slots, skip: int, transfer: str, check=None):
+        """Copy validated chunks into the slots: the CUDA path (returns `ready`; `check`,
+        the slot checks, runs before its first scatter) or the host scatter (None)."""
         if on_cuda(pool):  # the commit is paid once `ready` completed (the copy read it)
-            try:
-                return self._gpu_for(pool).load(self.layout, chunks, pool, slots, skip,
-                                                from_segment=transfer == "shm",
-                                                before_scatter=check)
-            except (ConnectorError, SlotsError) as exc:
-                exc.owed = commit
-                raise
+            return self._gpu_for(pool).load(self.layout, chunks, pool, slots, skip,
+                                            from_segment=transfer == "shm",
+                                            before_scatter=check)
         scatter_skipping(self.layout, chunks, pool, slots, skip)
         return None
 
@@ -613,11 +590,10 @@ class LMCacheMPConnector:
     def piece_plan(n_chunks: int) -> list[int]:
         """Chunks per prepare_retrieve of a pipelined load: 4, 8, 16, then 32 at a time.
 
-        Measured on an H200 host (128 KiB/token, chunk 256, `loadback bench gpu`): a
-        prepare_retrieve costs ~1.3 ms plus a share that grows with the prefix (the daemon
-        hashes the whole prefix chain for every piece), the copy ~0.63 ms a chunk. Pieces of
-        2-16 chunks lost at 4k tokens (3 round trips that the copies could not hide) and
-        won at 64k; so no pipelining up to 16 chunks, and growing pieces past it.
+        A prepare_retrieve costs a fixed round trip plus a share that grows with the prefix
+        (the daemon hashes the whole prefix chain for every piece): up to 16 chunks the
+        copies cannot hide the extra round trips, so no pipelining; past it, growing pieces
+        (`loadback bench gpu` measures the trade-off; README, "The GPU data path").
         """
         if n_chunks <= 16:
             return [n_chunks]
@@ -631,58 +607,41 @@ class LMCacheMPConnector:
             size = min(size * 2, 32)
         return plan
 
-    def _retrieve_pieces(self, token_ids, request_id, pool, slots, start, end, timeout_s,
-                         skip, cache_salt, plan) -> Retrieved:
+    def _retrieve_pieces(self, token_ids, request_id, pool, slots, timeout_s, skip,
+                         cache_salt, plan, retrieval: Retrieval):
+        """One prepare_retrieve per piece of `plan`, each piece copied while the next round
+        trip is in flight; returns the last copy's `ready`."""
         deadline = time.monotonic() + timeout_s
         c = self.chunk_size
-        commits: list[Callable[[float], bool]] = []
-        ready, s, row = None, start, 0
+        ready, s, row = None, retrieval.start, 0
         gpu = self._gpu_for(pool) if on_cuda(pool) else None
-        for i, cnt in enumerate(plan):
-            e = s + cnt * c
-            first = skip if i == 0 else 0
-            rows = e - s - first
-            try:
+        try:
+            for i, cnt in enumerate(plan):
+                e = s + cnt * c
+                first = skip if i == 0 else 0
+                rows = e - s - first
                 key = self.key(token_ids, request_id, start=s, end=e, cache_salt=cache_salt)
-                chunks, commit = self._prepare_range(
-                    key, cnt, max(0.0, deadline - time.monotonic()))
-            except ConnectorError as exc:
-                # Locks of [s, end) are still held unless this piece's call reached the
-                # daemon and may have taken them ([s, e): its commit, in exc.owed, frees them).
-                taken = not isinstance(exc, (DaemonUnavailable, DaemonRejected))
-                self._fail_pieces(exc, gpu, commits + ([exc.owed] if exc.owed else []),
-                                  token_ids, request_id, start, e if taken else s, end,
-                                  cache_salt)
-                raise
-            commits.append(commit)
-            try:
-                ready = self._land(pool, chunks, slots[row:row + rows], first, self.transfer,
-                                   commit)
-            except ConnectorError as exc:
-                self._fail_pieces(exc, gpu, commits, token_ids, request_id, start, e, end,
-                                  cache_salt)
-                raise
-            del chunks
-            s, row = e, row + rows
-        return Retrieved(nbytes=(end - start) // c * self.layout.chunk_bytes,
-                         commit=_Settle(commits), ready=ready)
+                chunks = self._prepare_range(key, cnt, max(0.0, deadline - time.monotonic()),
+                                             retrieval)
+                ready = self._land(pool, chunks, slots[row:row + rows], first, self.transfer)
+                del chunks
+                s, row = e, row + rows
+        except BaseException:
+            self._fail_pieces(gpu, retrieval, token_ids, request_id, cache_salt)
+            raise
+        return ready
 
-    def _fail_pieces(self, exc: ConnectorError, gpu, commits, token_ids, request_id,
-                     start: int, held_from: int, end: int, cache_salt: str) -> None:
-        """A pipelined load failed: nothing may write the slots after the raise, and what
-        the daemon is owed goes on `exc` (the commit of every piece the daemon may have
-        served, answered or abandoned at its deadline, then a free of the locks
-        [held_from, end) that no piece asked for)."""
+    def _fail_pieces(self, gpu, retrieval: Retrieval, token_ids, request_id,
+                     cache_salt: str) -> None:
+        """A pipelined load failed: nothing may write the slots after the raise, and once
+        any piece may have moved the lookup's locks, the retrieval also owes the free of
+        the pieces never asked for, [asked_to, end) (the caller frees none of the range)."""
         if gpu is not None:
             gpu.drain()
-        if held_from == start:
-            return  # nothing reached the daemon: the caller frees the whole range as usual
-        steps = list(commits)
-        if held_from < end:
-            steps.append(lambda t: self.free_locks(token_ids, request_id, held_from, end, t,
-                                                   cache_salt=cache_salt))
-        exc.owed = _Settle(steps)
-        exc.locks_settled = True
+        s, e = retrieval.asked_to, retrieval.end
+        if retrieval.locks_moved and s < e:
+            retrieval.owe("free_locks", s, e, lambda t: self.free_locks(
+                token_ids, request_id, s, e, t, cache_salt=cache_salt, shard=retrieval.shard))
 
     def _check_pickle_size(self, tokens: int) -> None:
         """Refuse, before anything is sent, a pickle message the wire cannot carry."""
@@ -704,7 +663,7 @@ class LMCacheMPConnector:
 
     def _owed_commit(self, key: wire.CacheKey) -> Callable[[float], bool]:
         """commit_retrieve for `key`, unsent: releases the daemon's buffer and read locks
-        (shm) once paid. An answered commit is settled whatever it says: 0.5.6 answers
+        (shm) once paid. An answered commit is paid whatever it says: 0.5.6 answers
         True even for a transfer it never created (an abandoned prepare never served, or
         refused), and a refusal would be no different sent again."""
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
-from lmcache_loadback.connectors.base import Connector, Retrieved
+from lmcache_loadback.connectors.base import Connector, Prepared, Retrieved
 from lmcache_loadback.connectors.errors import (
     ConnectorError,
     DaemonRejected,
@@ -24,16 +24,17 @@ from lmcache_loadback.connectors.errors import (
     DaemonUnavailable,
     SlotsError,
 )
+from lmcache_loadback.connectors.retrieval import Retrieval
 from lmcache_loadback.metrics import LoadbackMetrics
 
-from .failures import LookupUnsettled, classify
+from .failures import LookupAbandoned, classify
 from .leases import Lease, RequestKey
 from .link import DaemonLink
 from .policies import CircuitBreaker, Clock, run_with_retries
-from .states import DegradeReason as R
-from .states import PrefixState as S
+from .states import DegradeReason, PrefixState
 
 log = logging.getLogger("loadback")
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -44,12 +45,12 @@ class Prefix:
     local_tokens: int
     epoch: int                    # the daemon incarnation its LOOKUP went to
     lease: Lease
-    state: str = S.LOOKING_UP.value
+    state: str = PrefixState.LOOKING_UP.value
     hit_tokens: int = 0
     retrieve_from: int = 0        # chunk-aligned start of the range to retrieve
-    reason: R | None = None
+    reason: DegradeReason | None = None
     attempts: int = 0
-    prepared: object | None = None  # connector's Prepared of [retrieve_from, hit), until used
+    prepared: Prepared | None = None  # [retrieve_from, hit) prepared at match, until used
     prepared_at: float = 0.0        # when it was prepared (the orchestrator's clock)
 
     @property
@@ -84,7 +85,7 @@ class PrefixCalls:
 
     # ---------------------------------------------------------------- LOOKUP
 
-    def lookup(self, p: Prefix, budget_s: float) -> tuple[int, R | None]:
+    def lookup(self, p: Prefix, budget_s: float) -> tuple[int, DegradeReason | None]:
         deadline = self.clock() + budget_s
 
         def attempt() -> int:
@@ -104,7 +105,7 @@ class PrefixCalls:
 
     def _send_lookup(self, p: Prefix, timeout_s: float) -> int:
         """One LOOKUP; on an answer the prefix's lease holds [0, hit). Any failure but
-        "not sent" may leave a LOOKUP running: it is settled off the request path (its
+        "not sent" may leave a LOOKUP running: it is abandoned off the request path (its
         result waited for, what it locked released) and never overlapped by another."""
         k = p.key
         try:
@@ -114,11 +115,12 @@ class PrefixCalls:
             raise
         except ConnectorError as exc:
             p.lease.forfeit()
+            # (loadback_releases_failed_total keeps the label "settle_lookup" for it.)
             self.link.owe("settle_lookup", k.request_id, p.epoch, lambda t: (
-                self.connector.settle_lookup(k.token_ids, k.request_id, t,
-                                             cache_salt=k.cache_salt)),
+                self.connector.abandon_lookup(k.token_ids, k.request_id, t,
+                                              cache_salt=k.cache_salt)),
                 idempotent=True)
-            raise LookupUnsettled(exc) from exc
+            raise LookupAbandoned(exc) from exc
         p.lease = Lease(k, p.epoch, 0, hit)
         return hit
 
@@ -126,7 +128,7 @@ class PrefixCalls:
 
     def retrieve(self, p: Prefix, slots: torch.Tensor, budget_s: float,
                  on_retry: Callable[[], None]
-                 ) -> tuple[Retrieved | None, R | None, SlotsError | None]:
+                 ) -> tuple[Retrieved | None, DegradeReason | None, SlotsError | None]:
         """Land tokens [retrieve_from, hit) in `slots`: (what landed, None, None), or
         (None, reason, the SlotsError to raise once the ranks agreed, if any)."""
         deadline = self.clock() + budget_s
@@ -141,7 +143,7 @@ class PrefixCalls:
             self.drop_prepared(p)
             self.metrics.prepared_expired()
             if not self.relookup:
-                return None, R.RETRIEVE_ERROR, None
+                return None, DegradeReason.RETRIEVE_ERROR, None
             relookup[0] = True
 
         def attempt() -> Retrieved:
@@ -176,30 +178,28 @@ class PrefixCalls:
             got = run_with_retries(attempt, self.link.config.retries, budget_s,
                                    clock=self.clock, sleep=self.sleep, before_retry=before_retry)
         except SlotsError as exc:
-            return None, R.BAD_SLOTS, exc
+            return None, DegradeReason.BAD_SLOTS, exc
         except ConnectorError as exc:
             return None, self.failed("retrieve", exc, p.request_id), None
         self.breaker.record(True)
         return got, None, None
 
-    def prepare(self, p: Prefix, timeout_s: float) -> tuple[bool, R | None]:
+    def prepare(self, p: Prefix, timeout_s: float) -> tuple[bool, DegradeReason | None]:
         """Match time, shared memory only: prepare_retrieve of [retrieve_from, hit) now, so
         the load pays no round trip. (True, None) when prepared or not applicable; on a
         failure (False, reason): the caller degrades the prefix."""
-        prepare = getattr(self.connector, "prepare", None)
-        if prepare is None or getattr(self.connector, "transfer", None) != "shm":
+        if self.connector.transfer != "shm":
             return True, None
-        k, epoch = p.key, self.connector.epoch
+        k = p.key
         self._own_shard(p)
+        r = self._retrieval(p)
         try:
-            p.prepared = prepare(k.token_ids, k.request_id, start=p.retrieve_from,
-                                 end=p.hit_tokens, timeout_s=timeout_s,
-                                 cache_salt=k.cache_salt)
+            p.prepared = self._owing(p, r, lambda: self.connector.prepare(
+                k.token_ids, k.request_id, start=p.retrieve_from, end=p.hit_tokens,
+                timeout_s=timeout_s, cache_salt=k.cache_salt, retrieval=r))
         except ConnectorError as exc:
-            self._after_failed_prepare(p, exc, epoch)
             return False, self.failed("retrieve", exc, k.request_id)
         p.prepared_at = self.clock()
-        p.lease.forfeit()  # the prepared transfer holds the locks now; its commit frees them
         self.breaker.record(True)
         return True, None
 
@@ -207,52 +207,59 @@ class PrefixCalls:
         """The prefix ends without loading what it prepared: release it on the daemon."""
         prepared, p.prepared = p.prepared, None
         if prepared is not None:
-            self._owe_commit(p, prepared.commit, None, prepared.epoch)
+            self._hand_over(p, prepared.retrieval, None)
 
     def _send_retrieve(self, p: Prefix, slots, start: int, end: int,
                        timeout_s: float) -> Retrieved:
         """One RETRIEVE. Once it returns, the load has landed (every byte in the slots, or
-        once `ready` completes): its commit becomes a release owed off the request path."""
-        k, epoch = p.key, self.connector.epoch
+        once `ready` completes): what its retrieval owes is paid off the request path, after
+        the copy completed."""
+        k = p.key
         prepared, p.prepared = p.prepared, None  # used once, whatever happens
-        kw = {} if prepared is None else {"prepared": prepared}
-        if prepared is not None:
-            epoch = prepared.epoch
-        try:
-            got = self.connector.retrieve_into(
-                k.token_ids, k.request_id, self.kv_pool, slots, start=start, end=end,
-                timeout_s=timeout_s, skip=p.local_tokens - start, cache_salt=k.cache_salt,
-                **kw)
-        except SlotsError as exc:
-            self._owe_commit(p, exc.owed, None, epoch)
-            raise
-        except ConnectorError as exc:
-            self._after_failed_prepare(p, exc, epoch)
-            raise
-        p.lease.forfeit()  # the answered prepare_retrieve took the locks over
-        self._owe_commit(p, got.commit, got.ready, epoch)
+        r = prepared.retrieval if prepared is not None else self._retrieval(p)
+        got = self._owing(p, r, lambda: self.connector.retrieve_into(
+            k.token_ids, k.request_id, self.kv_pool, slots, start=start, end=end,
+            timeout_s=timeout_s, skip=p.local_tokens - start, cache_salt=k.cache_salt,
+            prepared=prepared, retrieval=r))
+        p.lease.forfeit()  # the landed load consumed the locks
+        self._hand_over(p, r, None if got.ready is None else got.ready.query)
         return got
 
-    def _after_failed_prepare(self, p: Prefix, exc: ConnectorError, epoch: int) -> None:
-        """A call that sends prepare_retrieve failed: owe what it says is owed; unless it
-        never reached the daemon (or was refused), the locks are no longer ours to free.
+    def _retrieval(self, p: Prefix) -> Retrieval:
+        """A new retrieval of [retrieve_from, hit), on the daemon incarnation now."""
+        return Retrieval(self.connector.epoch, p.retrieve_from, p.hit_tokens,
+                         shard=p.lease.shard)
 
-        One abandoned at its deadline may still be served (after a SIGSTOP, under load):
-        on shared memory the daemon then parks the range's read locks in a transfer that
-        only a commit_retrieve of the same key releases (else its read TTL, 300 s), so
-        the error carries that commit. It is paid once the daemon answered every call of
-        the request: it goes out on the releaser's connection, which the daemon may serve
-        on another worker than the abandoned call's, and must not overtake it."""
+    def _owing(self, p: Prefix, r: Retrieval, call: Callable[[], T]) -> T:
+        """Run `call`, a connector call that sends prepare_retrieve under `r`. However it
+        ends, the lease gives up the locks that moved to `r`; when it raises, what `r` owes
+        goes to the link at once.
+
+        One abandoned at its deadline may still be served (after a SIGSTOP, under load): on
+        shared memory the daemon then parks the range's read locks in a transfer that only a
+        commit_retrieve of the same key releases (else its read TTL), so `r` owes that
+        commit. After a daemon failure it is paid once the daemon answered every call of the
+        request: it goes out on the releaser's connection, which the daemon may serve on
+        another worker than the abandoned call's, and must not overtake it. After refused
+        slots no call of `r` is unanswered."""
         rid = p.request_id
-        self._owe_commit(p, exc.owed, lambda: self.connector.unanswered(rid) == 0, epoch)
-        if exc.locks_settled or not isinstance(exc, (DaemonUnavailable, DaemonRejected)):
-            p.lease.forfeit()  # reached the daemon: the owed commit releases them
+        try:
+            return call()
+        except SlotsError:
+            self._hand_over(p, r, None)
+            raise
+        except BaseException:
+            self._hand_over(p, r, lambda: self.connector.unanswered(rid) == 0)
+            raise
+        finally:
+            if r.locks_moved:
+                p.lease.forfeit()  # what `r` owes releases them
 
-    def _owe_commit(self, p: Prefix, commit, ready, epoch: int) -> None:
-        """`ready`: None, a copy's completion event (its `query`) or a plain predicate."""
-        if commit is not None:
-            self.link.owe("commit_retrieve", p.request_id, epoch, commit,
-                          ready=None if ready is None else getattr(ready, "query", ready))
+    def _hand_over(self, p: Prefix, r: Retrieval, ready: Callable[[], bool] | None) -> None:
+        """What `r` owes becomes one debt of its daemon incarnation (at most once per
+        retrieval, whatever path ends it); `ready`: not paid before it holds."""
+        if r.hand_over():
+            self.link.owe("commit_retrieve", p.request_id, r.epoch, r.release, ready=ready)
 
     # ------------------------------------------------------------- releases
 
@@ -274,7 +281,7 @@ class PrefixCalls:
             if self.touch is not None:
                 self.touch(p.request_id, p.epoch)
 
-    def failed(self, phase: str, exc: ConnectorError, request_id: str) -> R | None:
+    def failed(self, phase: str, exc: ConnectorError, request_id: str) -> DegradeReason | None:
         """Apply the failure table's verdict: breaker, timeout counter, suspicion."""
         out = classify(phase, exc)
         self.breaker.record(out.breaker_ok)

@@ -1,17 +1,7 @@
-"""LoadBackOrchestrator: the two-phase load-back, one state machine per prefix.
-
-Who calls it: the SGLang cache hook (match_prefix -> `match`, init_load_back ->
-`load_back`, cache_finished_req -> `store` + `finish`, abort -> `abort`), the demo, the
-chaos harness and the benchmarks. Nothing here may block past a deadline or raise into
-the engine for a daemon failure: failures become `degraded` with a reason, and the
-engine recomputes. Where a RETRIEVE is sent: `PrefixCalls.retrieve` (calls.py); where its
-deadline is decided: `load_back` (config.deadlines.retrieve_s); what a failure means:
-`failures.FAILURES`; where its outcome is counted: `_settle`. What the daemon is owed, and
-the heartbeat, live in the `DaemonLink` (link.py); which read locks are still ours to
-free, in `Lease` (leases.py).
-
-Tensor parallel: every rank makes the same sequence of collectives on every path of
-`match` and `load_back` (SGLang's scheduler is SPMD), so no rank waits alone.
+"""LoadBackOrchestrator: the two-phase load-back (match, load_back), one state machine per
+prefix. Nothing here blocks past a deadline or raises into the engine for a daemon failure:
+failures degrade the prefix with a reason and the engine recomputes. Under tensor parallelism
+every rank makes the same collectives on every path of `match` and `load_back`.
 """
 
 from __future__ import annotations
@@ -39,9 +29,6 @@ from .states import DegradeReason, PrefixState, fire
 from .tp import TPAgreement
 
 log = logging.getLogger("loadback")
-
-R = DegradeReason
-S = PrefixState
 
 
 def _owns_release(match):
@@ -74,6 +61,12 @@ def _owns_release(match):
 
 
 class LoadBackOrchestrator:
+    """Called by the SGLang backend (match_prefix/prefetch -> `match`, init_load_back ->
+    `load_back`, a finished request -> `store` + `finish`, abort -> `abort`), the demo, the
+    chaos harness, the benchmarks. A RETRIEVE is sent in `PrefixCalls.retrieve`, a failure
+    means what `failures.FAILURES` says, an outcome is counted in `_record_outcome`; the
+    daemon's debts and the heartbeat live in `DaemonLink`, the locks still ours in `Lease`."""
+
     def __init__(
         self,
         config: LoadBackConfig,
@@ -94,8 +87,7 @@ class LoadBackOrchestrator:
         self.metrics = metrics or product_metrics()
         self.tp = TPAgreement(tp_group)
         self._store_suffix = "" if self.tp.leader else f"@rank{self.tp.rank}"
-        self.breaker = CircuitBreaker(config.breaker, clock=clock,
-                                      on_change=self._breaker_changed)
+        self.breaker = CircuitBreaker(config.breaker, clock=clock)
         self.break_even = BreakEvenGuard(config.break_even, connector.layout.bytes_per_token)
         self._live: dict[str, Prefix] = {}
         self._sessions: dict[str, int] = {}  # request -> daemon epoch its last call went to
@@ -109,6 +101,7 @@ class LoadBackOrchestrator:
         self.metrics.config_generation(1)
         self.link = DaemonLink(connector, config, self.breaker, self.metrics, background=bool(
             start_heartbeat if start_heartbeat is not None else config.heartbeat.enabled))
+        self.breaker.on_change = self._breaker_changed
         self.calls = PrefixCalls(connector, self.link, self.breaker, self.metrics, clock, sleep,
                                  kv_pool, sharded=self.tp.enabled, touch=self._touch_session)
 
@@ -135,7 +128,7 @@ class LoadBackOrchestrator:
             # Other TP ranks may be asking: join the decision with a "cannot" (-1).
             self.tp.min(-1)
             self.metrics.observe_lookup(None, "skipped")
-            return MatchResult(reason=R.BREAKER_OPEN if is_open else None)
+            return MatchResult(reason=DegradeReason.BREAKER_OPEN if is_open else None)
         start = self.clock()
         key = RequestKey.of(request_id, token_ids, cache_salt)
         epoch = self.link.registered_epoch
@@ -152,7 +145,7 @@ class LoadBackOrchestrator:
             self.calls.free(p, 0, hit)
             if agreed < 0:
                 self._enter(p)
-                self._finish_degraded(p, reason or R.TP_PEER_FAILED)
+                self._finish_degraded(p, reason or DegradeReason.TP_PEER_FAILED)
                 return self._match_result(p)
             return MatchResult()  # a clean miss leaves no machine
         p.hit_tokens = agreed
@@ -161,7 +154,7 @@ class LoadBackOrchestrator:
         self.calls.free(p, agreed, hit)  # this rank may hold more than the group agreed on
         # Bandwidth is learned per rank: the break-even verdict is agreed on too.
         if not self.tp.min(int(self.break_even.worth_loading(p.promised_tokens))):
-            self._finish_degraded(p, R.BELOW_BREAK_EVEN)
+            self._finish_degraded(p, DegradeReason.BELOW_BREAK_EVEN)
             return self._match_result(p)
         # Chunks the engine already has are not retrieved: release their locks now.
         p.retrieve_from = local_hit_tokens // chunk * chunk
@@ -173,7 +166,7 @@ class LoadBackOrchestrator:
             ok, why = self.calls.prepare(
                 p, self.config.deadlines.retrieve_s(p.promised_tokens))
             if not self.tp.min(int(ok)):
-                self._finish_degraded(p, why or R.TP_PEER_FAILED)
+                self._finish_degraded(p, why or DegradeReason.TP_PEER_FAILED)
         return self._match_result(p)
 
     # -------------------------------------------------------------- load_back
@@ -187,18 +180,19 @@ class LoadBackOrchestrator:
         start = self.clock()
         with self._lock:
             p = self._live.get(request_id)
-        if p is None or p.state != S.MARKED.value:
+        if p is None or p.state != PrefixState.MARKED.value:
             return LoadResult(0, PrefixState(p.state) if p else None, p.reason if p else None)
         n = p.promised_tokens
         # Rank-local reasons not to try; every rank joins the same two decisions.
+        no_slots = slots is None or len(slots) == 0 or self.kv_pool is None
         local = (decline if decline is not None
-                 else R.ALLOC_FAILED if slots is None or len(slots) == 0 or self.kv_pool is None
-                 else R.BAD_SLOTS if len(slots) != n
-                 else R.DAEMON_RESTARTED if self.connector.epoch != p.epoch
-                 else R.BREAKER_OPEN if not self.breaker.allow() else None)
+                 else DegradeReason.ALLOC_FAILED if no_slots
+                 else DegradeReason.BAD_SLOTS if len(slots) != n
+                 else DegradeReason.DAEMON_RESTARTED if self.connector.epoch != p.epoch
+                 else DegradeReason.BREAKER_OPEN if not self.breaker.allow() else None)
         if not self.tp.min(int(local is None)):
-            self._finish_degraded(p, local or R.TP_PEER_FAILED)
-            if local == R.BAD_SLOTS:
+            self._finish_degraded(p, local or DegradeReason.TP_PEER_FAILED)
+            if local == DegradeReason.BAD_SLOTS:
                 raise SlotsError(
                     f"load_back({request_id!r}): got {len(slots)} KV slots for {n} promised "
                     f"tokens; allocate exactly the tokens that match() returned ({n})")
@@ -211,13 +205,13 @@ class LoadBackOrchestrator:
         if ok:
             self.break_even.observe(got.nbytes, self.clock() - start)
             self._fire(p, "land")
-            self._settle(p, loaded_bytes=got.nbytes)
+            self._record_outcome(p, loaded_bytes=got.nbytes)
         else:
             if reason is None and got.ready is not None:
                 # Landed here but a peer failed: the engine recomputes into these slots, so
                 # the copy still in flight must finish first (no late write).
                 got.ready.synchronize()
-            self._finish_degraded(p, reason or R.TP_PEER_FAILED)
+            self._finish_degraded(p, reason or DegradeReason.TP_PEER_FAILED)
         if bad is not None:
             raise bad
         return self._result(p, start, ready=got.ready if ok else None)
@@ -229,8 +223,7 @@ class LoadBackOrchestrator:
         """STORE the finished request's whole chunks (bounded by deadlines.store_ms)."""
         if self.kv_pool is None or not self.breaker.allow() or not self.link.registered():
             return False
-        if len(token_ids) < self.connector.chunk_size or not getattr(
-                self.connector, "writer", True):
+        if len(token_ids) < self.connector.chunk_size or not self.connector.writer:
             return True  # TP-replicated KV (MLA): one rank writes for the group
         sid = self._store_session(request_id)
         self._touch_session(sid, self.connector.epoch)
@@ -245,13 +238,13 @@ class LoadBackOrchestrator:
         return ok
 
     def finish(self, request_id: str) -> None:
-        """The request is done: settle its prefix (a promise never loaded degrades as
-        `unused`) and end its daemon session."""
-        self._release(request_id, R.UNUSED)
+        """The request is done: end its prefix (a promise never loaded degrades as
+        `unused`) and its daemon session."""
+        self._release(request_id, DegradeReason.UNUSED)
 
     def abort(self, request_id: str) -> None:
         """Release everything the request holds: locks, session, its prefix (`aborted`)."""
-        self._release(request_id, R.ABORTED)
+        self._release(request_id, DegradeReason.ABORTED)
 
     def _release(self, request_id: str, reason: DegradeReason) -> None:
         """One thread releases a request id: the prefix and the session are taken out under
@@ -340,9 +333,7 @@ class LoadBackOrchestrator:
 
     def _breaker_changed(self, state: str) -> None:
         self.metrics.breaker(state)
-        link = getattr(self, "link", None)  # the breaker is built before the link
-        if link is not None:
-            link.breaker_changed(state)
+        self.link.breaker_changed(state)
 
     # --------------------------------------------------------------- plumbing
 
@@ -368,10 +359,11 @@ class LoadBackOrchestrator:
         log.debug("%s: degraded (%s), %d promised tokens recomputed", p.request_id,
                   reason.value, p.promised_tokens)
         self._fire(p, "degrade")
-        self._settle(p)
+        self._record_outcome(p)
 
-    def _settle(self, p: Prefix, loaded_bytes: int = 0) -> None:
-        loaded = p.state == S.LOADED.value
+    def _record_outcome(self, p: Prefix, loaded_bytes: int = 0) -> None:
+        """Count the prefix's final outcome (once: it has just reached a terminal state)."""
+        loaded = p.state == PrefixState.LOADED.value
         self.metrics.outcome(p.state, None if loaded else p.reason.value,
                              promised_tokens=p.promised_tokens,
                              loaded_tokens=p.promised_tokens if loaded else 0,
@@ -379,11 +371,11 @@ class LoadBackOrchestrator:
 
     @staticmethod
     def _match_result(p: Prefix) -> MatchResult:
-        marked = p.state == S.MARKED.value
+        marked = p.state == PrefixState.MARKED.value
         return MatchResult(p.promised_tokens if marked else 0, PrefixState(p.state), p.reason)
 
     def _result(self, p: Prefix, start: float, ready: object | None = None) -> LoadResult:
-        loaded = p.promised_tokens if p.state == S.LOADED.value else 0
+        loaded = p.promised_tokens if p.state == PrefixState.LOADED.value else 0
         return LoadResult(loaded, PrefixState(p.state), p.reason, self.clock() - start,
                           ready=ready if loaded else None)
 
@@ -396,7 +388,7 @@ class LoadBackOrchestrator:
         with self._lock:
             ids = list(self._live) + [s for s in self._sessions if s not in self._live]
         for rid in ids:
-            self._release(rid, R.CLOSED)
+            self._release(rid, DegradeReason.CLOSED)
         self.link.pay()
         try:
             if self.link.registered_epoch is not None and self.breaker.allow():

@@ -20,14 +20,15 @@ from lmcache_loadback.connectors.errors import (
 from .states import DegradeReason as R
 
 
-class LookupUnsettled(ConnectorError):
-    """A LOOKUP whose answer was lost is being settled (its result waited for, its locks
-    released): no other LOOKUP of the request may overlap that, so it is never retried."""
+class LookupAbandoned(ConnectorError):
+    """A LOOKUP whose answer was lost is being abandoned (its result waited for, its locks
+    released: `Connector.abandon_lookup`): no other LOOKUP of the request may overlap
+    that, so it is never retried."""
 
     retry_safe = False
 
     def __init__(self, cause: ConnectorError) -> None:
-        super().__init__(f"lookup unanswered, settling owed: {cause}")
+        super().__init__(f"lookup unanswered, abandoned: {cause}")
         self.cause = cause
 
 
@@ -59,7 +60,7 @@ FAILURES: list[tuple[str, type[ConnectorError], Outcome]] = [
 
 
 def classify(phase: str, exc: ConnectorError) -> Outcome:
-    if isinstance(exc, LookupUnsettled):
+    if isinstance(exc, LookupAbandoned):
         exc = exc.cause  # judged by what happened to the LOOKUP
     for row_phase, cls, outcome in FAILURES:
         if row_phase == phase and isinstance(exc, cls):

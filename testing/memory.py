@@ -1,13 +1,7 @@
-"""An in-process connector with no I/O: chunks live in a dict.
-
-Who uses it: the property tests of the state machine and unit tests of the policies that
-script a failure per call (`fail_next`) or hold a call unanswered (`hold_next`). It
-honours the `Connector` contract of the daemon client and models the daemon's read locks
-strictly: a lookup locks the hit chunks for its request until a retrieve takes them or
-they are freed; freeing a chunk the request does not hold (twice, or never locked) raises
-`LeaseViolation` instead of being clamped, because on the real daemon it would strip
-another reader's lock. A retrieve pins its chunks until its owed commit is paid; a
-second commit raises too.
+"""InMemoryConnector: the `Connector` contract with no I/O (chunks in a dict), for the
+property tests and the unit tests that script a failure per call (`fail_next`) or hold a
+call unanswered (`hold_next`). Its read locks are strict: a release of a lock not held
+raises `LeaseViolation` (on the real daemon it would strip another reader's lock).
 """
 
 from __future__ import annotations
@@ -21,6 +15,7 @@ import torch
 from lmcache_loadback.connectors.base import Retrieved
 from lmcache_loadback.connectors.errors import DaemonRejected, DaemonTimeout
 from lmcache_loadback.connectors.kv_layout import KVLayout, gather_chunks, scatter_skipping
+from lmcache_loadback.connectors.retrieval import Retrieval
 
 
 class LeaseViolation(AssertionError):
@@ -28,8 +23,21 @@ class LeaseViolation(AssertionError):
 
 
 class InMemoryConnector:
-    def __init__(self, layout: KVLayout) -> None:
+    """The whole `Connector` contract; what it cannot do is declared: no daemon behind it
+    (`endpoint` "in-memory"), no transfer mode of the daemon's (`transfer` "memory": the
+    orchestrator never asks it to `prepare`, which raises), no dropped fences."""
+
+    _NO_PREPARE = ("the in-memory connector has no prepare step (transfer 'memory'): the "
+                   "orchestrator prepares at match only on shared memory")
+
+    endpoint = "in-memory"
+    transfer = "memory"
+    transfer_setting = "memory"
+    fences_dropped = 0
+
+    def __init__(self, layout: KVLayout, *, writer: bool = True) -> None:
         self.layout = layout
+        self.writer = writer
         self.epoch = 0
         self.late_replies = 0
         self._chunks: dict[bytes, torch.Tensor] = {}
@@ -122,6 +130,10 @@ class InMemoryConnector:
         self._maybe_fail("ping")
         return True
 
+    def get_chunk_size(self, timeout_s: float) -> int:
+        self._maybe_fail("get_chunk_size")
+        return self.chunk_size
+
     def lookup_hit_tokens(self, token_ids, request_id, timeout_s, *, cache_salt=""):
         exc = self._failure("lookup")
         if exc is not None and not isinstance(exc, DaemonTimeout):
@@ -150,14 +162,21 @@ class InMemoryConnector:
         self._maybe_fail("free_locks")
         self._unlock(request_id, start // self.chunk_size, end // self.chunk_size)
 
-    def settle_lookup(self, token_ids, request_id, timeout_s, *, cache_salt=""):
-        self._maybe_fail("settle_lookup")
+    def abandon_lookup(self, token_ids, request_id, timeout_s, *, cache_salt=""):
+        self._maybe_fail("abandon_lookup")
         # The daemon derives the release from its own record of the request's lookup.
         self.locks.pop(request_id, None)
         return True
 
+    def prepare(self, token_ids, request_id, *, start, end, timeout_s, cache_salt="",
+                retrieval=None):
+        raise NotImplementedError(self._NO_PREPARE)
+
     def retrieve_into(self, token_ids, request_id, pool, slots, *, start, end, timeout_s,
-                      skip=0, cache_salt=""):
+                      skip=0, cache_salt="", prepared=None, retrieval=None):
+        if prepared is not None:
+            raise NotImplementedError(self._NO_PREPARE)
+        r = retrieval if retrieval is not None else Retrieval(self.epoch, start, end)
         exc = self._failure("retrieve")
         first, last = start // self.chunk_size, end // self.chunk_size
         hashes = self._hashes(token_ids, end, cache_salt)[first:]
@@ -172,6 +191,8 @@ class InMemoryConnector:
             self.pins[request_id] += pin  # only an answered retrieve owes its commit
             return True
 
+        if self.hold_next["retrieve"] or isinstance(exc, DaemonTimeout):
+            r.asked(end, None)  # served unanswered (now or later): the locks are consumed
         self._hold("retrieve", request_id, serve, timeout_s)
         if isinstance(exc, DaemonTimeout):
             serve()  # the daemon did the work; only the answer is lost
@@ -179,10 +200,10 @@ class InMemoryConnector:
             raise exc
         if not serve(pin=True):
             raise DaemonRejected("chunks not locked by a lookup of this request")
+        r.asked(end, lambda t: self._commit(request_id))
         chunks = [self._chunks[h] for h in hashes]
         scatter_skipping(self.layout, chunks, pool, slots, skip)
-        return Retrieved(len(hashes) * self.layout.chunk_bytes,
-                         commit=lambda t: self._commit(request_id))
+        return Retrieved(len(hashes) * self.layout.chunk_bytes, commit=r.release)
 
     def _commit(self, request_id: str) -> bool:
         self._maybe_fail("commit")

@@ -1,11 +1,7 @@
-"""SGLang radix-cache backend `loadback`: this product behind SGLang's prefix cache.
-
-Who calls what: SGLang's scheduler subprocess runs every entry point in group
-`sglang.srt.plugins` (`load_plugins()`), which calls `register()` here; `register()` adds the
-factory under the name `loadback`; `--radix-cache-backend loadback` then makes SGLang call
-`build_cache(ctx)` once per scheduler, which builds `LoadBackRadixCache` (radix_cache.py).
-Nothing in SGLang is edited or patched. sglang is imported only inside these functions, so
-`import orchestrator` works where sglang is not installed.
+"""SGLang radix-cache backend `loadback`: the `sglang.srt.plugins` entry point calls `register()`,
+which adds the factory under that name; `--radix-cache-backend loadback` then builds
+`LoadBackRadixCache` through `build_cache(ctx)`. Nothing in SGLang is patched, and sglang is
+imported only inside these functions.
 """
 
 from __future__ import annotations

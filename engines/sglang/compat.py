@@ -1,11 +1,7 @@
-"""Thin per-version shims: where SGLang 0.5.20 and 0.5.23 differ in what the cache answers.
-
-0.5.20: `MatchResult.device_indices` (a tensor), `init_load_back` -> `(slots, node)`, requests
-finish through `cache_finished_req`. 0.5.23: `MatchResult.device_prefix_len` (an int),
-`init_load_back` -> `(loaded_tokens, node)`, requests finish through `checkpoint` +
-`on_release`, and the LOOKUP is submitted in `prefetch_from_storage`. The API is detected from
-SGLang's own classes, never guessed from the version string; the version string only gates
-start-up.
+"""Thin per-version shims where SGLang 0.5.20 and 0.5.23 differ in what the cache answers
+(0.5.20: `device_indices`, `(slots, node)`; 0.5.23: `device_prefix_len`, `(tokens, node)`,
+checkpoint + on_release). The API is detected from SGLang's own classes; the version string
+only gates start-up.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The 0.5.23 scheduler's storage surface of LoadBackRadixCache: prefetch, poll, report.
-
-Who calls it: SGLang 0.5.23's scheduler thread, when `--enable-lmcache` is on:
-`prefetch_from_storage` when a request is queued, `check_prefetch_progress` on every pass
-(False skips the request this pass), `pop_prefetch_loaded_span` for the storage-hit report,
-`check_hicache_events` every loop. None of these may block: the LOOKUP runs on the cache's
-LookupWorker. A mixin only because SGLang calls these methods on the cache object itself.
+"""The 0.5.23 scheduler's storage surface of LoadBackRadixCache (`--enable-lmcache`): prefetch,
+poll, report. None of these may block: the LOOKUP runs on the cache's LookupWorker. A mixin
+only because SGLang calls these methods on the cache object itself.
 """
 
 from __future__ import annotations
@@ -122,7 +118,7 @@ class PrefetchHooks:
 
     @property
     def lookup_queue_depth(self) -> int:
-        """LOOKUPs handed to the worker and not yet settled (queued or running)."""
+        """LOOKUPs handed to the worker and not yet completed (queued or running)."""
         worker = getattr(self, "_worker", None)
         return worker.depth if worker is not None else 0
 

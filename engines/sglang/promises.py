@@ -1,17 +1,7 @@
-"""A request's promise from the daemon, and the worker thread that LOOKUPs for 0.5.23.
-
-Who uses it: LoadBackRadixCache only. The worker is the one place a LOOKUP runs off the
-scheduler thread; the scheduler thread only submits and polls (`resolve`), never waits.
-
-Both worker threads must outlive anything a job does: every call they make is inside a try,
-and a job settles (its Event set, its store reported completed) on every path. A thread that
-dies all the same (a BaseException past every handler) is noticed where the scheduler thread
-touches the worker (submit, poll: `ensure_alive`): a new thread takes over the queue, logged
-at ERROR the first time. Restarting, not running jobs inline: the scheduler thread must never
-wait on the daemon. Queue depths (`depth`) are what the cache exposes as
-`lookup_queue_depth` / `store_queue_depth`, and what each worker sets in the orchestrator's
-metrics (`loadback_lookup_queue_depth`, `loadback_store_queue_depth`) whenever a job is
-queued or settled.
+"""A request's promise from the daemon, and the worker threads (LOOKUP for 0.5.23, STORE) the
+scheduler thread submits to and polls, never waits on. A worker outlives anything a job does:
+every job completes on every path, and a thread that died all the same is replaced where the
+scheduler thread next touches it (`ensure_alive`). Queue depths are exported as gauges.
 """
 
 from __future__ import annotations
@@ -23,6 +13,8 @@ import time
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
+
+from .contract import Orchestrator
 
 log = logging.getLogger("loadback.hook")
 
@@ -53,24 +45,28 @@ class Lookup:
 
 
 class _Worker:
-    """One daemon thread serving a queue; `_serve` settles every job it is given."""
+    """One daemon thread serving a queue; `_serve` completes every job it is given, on every
+    path. A thread that dies all the same (a BaseException past every handler) is replaced
+    where the scheduler thread next touches the worker (`ensure_alive`), logged at ERROR the
+    first time; jobs never run inline instead: the scheduler thread must never wait on the
+    daemon. `depth` is exported whenever a job is queued or completes."""
 
     name = "loadback-worker"
     queue = "lookup"  # which depth series it sets (LoadbackMetrics.queue_depth)
 
-    def __init__(self, orch, *, max_queued: int) -> None:
+    def __init__(self, orch: Orchestrator, *, max_queued: int) -> None:
         if max_queued < 1:
             raise ValueError(f"{type(self).__name__} max_queued must be at least 1, "
                              f"got {max_queued}")
         self.max_queued = max_queued
         self.skipped = 0     # jobs refused: max_queued were held already
         self.orch = orch
-        #: The orchestrator's LoadbackMetrics (None for an orchestrator without metrics).
-        self.metrics = getattr(orch, "metrics", None)
+        #: The orchestrator's LoadbackMetrics (None: an orchestrator that exports none).
+        self.metrics = orch.metrics
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self.depth = 0       # jobs submitted and not yet settled (queued or running)
+        self.depth = 0       # jobs submitted and not yet completed (queued or running)
         self.restarts = 0    # threads that died and were replaced
         self._thread = self._start()
 
@@ -81,7 +77,7 @@ class _Worker:
 
     def ensure_alive(self) -> None:
         """Scheduler thread (submit, poll): replace a thread that died; the jobs it left
-        queued are served by the new one (the one it was running was settled on its way
+        queued are served by the new one (the one it was running was completed on its way
         out)."""
         if self._closed or self._thread.is_alive():
             return
@@ -119,7 +115,7 @@ class _Worker:
             self._export_depth()
         self._q.put(job)
 
-    def _settled(self) -> None:
+    def _completed(self) -> None:
         with self._lock:
             self.depth -= 1
             self._export_depth()
@@ -177,9 +173,9 @@ class LookupWorker(_Worker):
                 log.debug("lookup %s not sent: past its deadline or dropped", p.request_id)
             else:
                 ran = True
-                tokens = promised_tokens(self.orch.match(
-                    p.request_id, p.token_ids, local_hit_tokens=p.local_tokens,
-                    cache_salt=p.salt))
+                tokens = self.orch.match(p.request_id, p.token_ids,
+                                         local_hit_tokens=p.local_tokens,
+                                         cache_salt=p.salt).tokens
         except Exception:  # a daemon failure must not kill the worker
             log.exception("lookup %s failed", p.request_id)
         finally:
@@ -187,8 +183,8 @@ class LookupWorker(_Worker):
                 job.tokens = tokens
                 late = ran and job.abandoned
                 job.done.set()
-            self._settled()
-            if late:  # settled after its deadline: this thread releases it
+            self._completed()
+            if late:  # answered after its deadline: this thread releases it
                 self._call("releasing late lookup", self.orch.abort, p.request_id)
 
     def resolve(self, job: Lookup, now: float) -> int | None:
@@ -203,10 +199,6 @@ class LookupWorker(_Worker):
                 return None
             job.abandoned = True
             return 0
-
-
-def promised_tokens(result) -> int:
-    return int(getattr(result, "tokens", result))
 
 
 @dataclass(eq=False)
@@ -275,5 +267,5 @@ class StoreWorker(_Worker):
                 if finish:
                     self._call("ending the session of", self.orch.finish, job.request_id)
             finally:
-                self._settled()
+                self._completed()
                 self.completed.put(job)

@@ -1,16 +1,7 @@
-"""LoadBackRadixCache: SGLang's RadixCache with this product's two-phase load-back.
-
-Who calls it: SGLang's scheduler thread, every method (modelled on SGLang's FlexKV backend).
-- 0.5.20: `match_prefix` runs the deadline-bounded LOOKUP (once per request key; later passes
-  answer from the request's promise); `init_load_back` allocates, RETRIEVEs, attaches a node;
-  `cache_finished_req` STOREs and ends the daemon session.
-- 0.5.23: `prefetch_from_storage` hands the LOOKUP to one worker thread; `check_prefetch_progress`
-  polls it and never blocks (a LOOKUP unanswered past its deadline resolves as a miss, and its
-  late answer is released by the worker); `checkpoint` of a finished request STOREs; `on_release`
-  and `release_aborted_request` end or abort the daemon side.
-What must never happen: an exception from a daemon failure reaching the scheduler, a call
-waiting past its deadline, a slot or tree lock leaked on any outcome, a promise answered stale
-after the radix hit or the key changed.
+"""LoadBackRadixCache: SGLang's RadixCache with this product's two-phase load-back, called by
+SGLang's scheduler thread (0.5.20: LOOKUP in `match_prefix`; 0.5.23: on the LookupWorker from
+`prefetch_from_storage`, polled, never waited for). Never: a daemon failure's exception in the
+scheduler, a wait past a deadline, a slot or tree lock leaked, a promise answered stale.
 """
 
 from __future__ import annotations
@@ -29,25 +20,20 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from lmcache_loadback.orchestrator.states import DegradeReason
 
 from . import compat, pools
+from .contract import Orchestrator
 from .prefetch import PrefetchHooks
-from .promises import (
-    Lookup,
-    LookupWorker,
-    Promise,
-    StoreJob,
-    StoreWorker,
-    promised_tokens,
-)
+from .promises import Lookup, LookupWorker, Promise, StoreJob, StoreWorker
+from .stores import StoreHooks
 
 log = logging.getLogger("loadback.hook")
 
 
-class LoadBackRadixCache(PrefetchHooks, RadixCache):
+class LoadBackRadixCache(PrefetchHooks, StoreHooks, RadixCache):
     """RadixCache + fault-tolerant load-back from an LMCache daemon."""
 
     def __init__(self, params, *, config, tp_size: int = 1, tp_rank: int = 0,
-                 tp_group=None, orchestrator=None, async_lookups: bool | None = None,
-                 config_path=None) -> None:
+                 tp_group=None, orchestrator: Orchestrator | None = None,
+                 async_lookups: bool | None = None, config_path=None) -> None:
         """`config_path`: the YAML `config` came from; watched on the orchestrator's
         heartbeat, and a valid change applied live to the orchestrator and to `self.config`
         (orchestrator.reload.ConfigWatcher)."""
@@ -71,7 +57,7 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
         self.kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         if orchestrator is None:
             orchestrator = self._build_orchestrator(config, tp_size, tp_rank, tp_group)
-        self.orch = orchestrator
+        self.orch: Orchestrator = orchestrator
         self.config_watcher = None
         if config_path is not None:
             from lmcache_loadback.orchestrator.reload import ConfigWatcher
@@ -162,48 +148,6 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
         self._drain_stores()
         return super().evict(params)
 
-    def _drain_stores(self, *, safe_point: bool = False) -> None:
-        """Scheduler thread: unlock the nodes of stores that went through. With TP > 1 only
-        at the scheduler's safe point (`check_hicache_events`, every rank at once), and only
-        as many as every rank finished (the ranks' trees stay alike: same evictable nodes,
-        same match lengths)."""
-        worker = self._store_worker
-        if worker is not None:
-            worker.ensure_alive()
-        if worker is None:
-            return
-        ready = worker.completed.qsize()
-        if self._tp_size > 1:
-            if not safe_point:
-                return
-            # Every rank submitted the same stores in the same order: the first `ready`
-            # finished stores are the same requests on every rank.
-            ready = self.orch.tp.min(ready)
-        for _ in range(ready):
-            job = worker.completed.get_nowait()
-            if self._stores.get(job.handle) is job:
-                del self._stores[job.handle]
-            if job.node is not None:
-                if job.receipt is None:
-                    self.dec_lock_ref(job.node)
-                else:
-                    self.dec_lock_ref(job.node, job.receipt)
-                job.node = None
-
-    def _wait_stores(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        if self._tp_size > 1 and self._store_worker is not None:
-            # This rank's own stores first, then one drain the ranks agree on.
-            while self._store_worker.completed.qsize() < len(self._stores) \
-                    and time.monotonic() < deadline:
-                time.sleep(0.005)
-            self._drain_stores(safe_point=True)
-            return
-        self._drain_stores()
-        while self._stores and time.monotonic() < deadline:
-            time.sleep(0.005)
-            self._drain_stores()
-
     # ---------------------------------------------------------------- helpers
 
     def _next_id(self, handle) -> str:
@@ -233,9 +177,8 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
         finally:
             waited = time.perf_counter() - start
             self.daemon_wait_s.append(waited)
-            metrics = getattr(self.orch, "metrics", None)
-            if metrics is not None:
-                metrics.observe_scheduler_wait(waited)
+            if self.orch.metrics is not None:
+                self.orch.metrics.observe_scheduler_wait(waited)
 
     def _path_len(self, node) -> int:
         n = 0
@@ -322,8 +265,8 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
         p = Promise(self._next_id(handle), array("q", ids), salt, device_len,
                      key=RadixKey(array("q", ids), key.extra_key, cache_salt=key.cache_salt))
         if len(ids) - device_len >= self.chunk_size:
-            p.tokens = promised_tokens(self._timed(self.orch.match, p.request_id, p.token_ids,
-                                           local_hit_tokens=device_len, cache_salt=salt))
+            p.tokens = self._timed(self.orch.match, p.request_id, p.token_ids,
+                                   local_hit_tokens=device_len, cache_salt=salt).tokens
         self._promises[handle] = p
         return self._checked(handle, p)
 
@@ -338,12 +281,7 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
         return p.tokens
 
     def _rederive(self, handle, p: Promise, key, device_len: int) -> int:
-        """The radix hit moved since the promise: shrink it (or look up again)."""
-        rederive = getattr(self.orch, "rederive", None)
-        if rederive is not None and device_len > p.local_tokens:
-            p.tokens = promised_tokens(self._timed(rederive, p.request_id, device_len))
-            p.local_tokens = device_len
-            return self._checked(handle, p)
+        """The radix hit moved since the promise: void it and look up again (bounded)."""
         relookups = p.relookups + 1
         self._drop(handle, abort=True)
         if self._worker is not None or relookups > 3:
@@ -421,17 +359,6 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
 
     # ------------------------------------------------------ finish and abort
 
-    def cache_finished_req(self, req, is_insert: bool = True, **kwargs) -> None:
-        """0.5.20: insert into the tree, STORE the whole chunks, end the daemon session."""
-        super().cache_finished_req(req, is_insert=is_insert, **kwargs)
-        self._finish(req, store=is_insert and not self.disable, limit=None)
-
-    def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
-        """0.5.23: a finished request's checkpoint STOREs its whole chunks."""
-        super().checkpoint(req, up_to=up_to, **kwargs)
-        if req.finished() and not self.disable:
-            self._store(req, limit=up_to)
-
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         self._drop(self._handle(req), abort=not checkpointed)
@@ -439,44 +366,3 @@ class LoadBackRadixCache(PrefetchHooks, RadixCache):
     def release_aborted_request(self, handle) -> None:
         """Aborted (either version): release the daemon's locks and session."""
         self._drop(handle, abort=True)
-
-    def _finish(self, req, *, store: bool, limit: int | None) -> None:
-        if store:
-            self._store(req, limit=limit)
-        self._drop(self._handle(req), abort=False)
-
-    def _store(self, req, *, limit: int | None) -> None:
-        try:
-            handle = self._handle(req)
-            p = self._promises.get(handle)
-            if p is None:
-                p = self._promises[handle] = Promise(
-                    self._next_id(handle), array("q"), "", 0)
-            committed = getattr(req.kv, "kv_committed_len", None) if hasattr(req, "kv") else None
-            ids = list(req.origin_input_ids) + list(req.output_ids)
-            if committed is None:
-                committed = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
-            if limit is not None:
-                committed = min(committed, limit)
-            ids = ids[:committed]
-            if len(ids) < self.chunk_size:
-                return
-            # The tree's own slots for this prefix: they outlive the request's row.
-            key = RadixKey(array("q", ids), req.extra_key, cache_salt=req.cache_salt)
-            base = super().match_prefix(MatchPrefixParams(key=key))
-            slots = self.shim.path_indices(self, base)
-            n = len(slots) // self.chunk_size * self.chunk_size
-            if n == 0 or handle in self._stores:
-                return
-            if not self._store_worker.has_room(p.request_id):
-                return  # the store queue is full: skipped (counted), its node never locked
-            # The node stays locked (its slots unevictable) until the store went through.
-            node = base.last_device_node
-            taken = self.inc_lock_ref(node)
-            job = StoreJob(handle, p.request_id, ids[:n], slots[:n].clone(),
-                           self._salt(req.extra_key, req.cache_salt), node,
-                           taken.to_dec_params() if hasattr(taken, "to_dec_params") else None)
-            self._stores[handle] = job
-            self._store_worker.submit(job)
-        except Exception:  # a failed store is counted by the orchestrator; never raised
-            log.exception("store for %s failed", req.rid)

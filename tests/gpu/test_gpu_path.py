@@ -15,6 +15,7 @@ from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.connectors.gpu_transfer import GpuTransferError
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.connectors.retrieval import Retrieval
 from lmcache_loadback.engines.sglang.pools import mha_layout
 from tests.stepping import Stepped
 
@@ -140,12 +141,13 @@ def test_cuda_error_degrades_with_a_reason_and_owes_the_commit(shm_daemon, conns
     assert conn.store_from(toks, "e-s", src, torch.arange(3 * CHUNK, device=DEV), timeout_s=T)
     assert conn.lookup_hit_tokens(toks, "e-r", T) == 3 * CHUNK
     monkeypatch.setattr(gt, "_copy_chunks", broken)
+    r = Retrieval(conn.epoch, 0, 3 * CHUNK)
     with pytest.raises(GpuTransferError) as ei:
         conn.retrieve_into(toks, "e-r", _pool(lay, fill=False),
                            torch.arange(3 * CHUNK, device=DEV), start=0, end=3 * CHUNK,
-                           timeout_s=T)
-    assert ei.value.reason == "copy_failed" and callable(ei.value.owed)
-    ei.value.owed(T)
+                           timeout_s=T, retrieval=r)
+    assert ei.value.reason == "copy_failed" and r.owes
+    r.release(T)
     conn.end_session("e-r", T)
 
 

@@ -14,6 +14,7 @@ from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.connectors.errors import DaemonTimeout, ProtocolError, VersionSkew
 from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.connectors.retrieval import Retrieval
 from lmcache_loadback.connectors.transport import ZmqTransport
 from tests.conftest import CHUNK, kv_of, make_pool, same_kv
 
@@ -180,12 +181,14 @@ def test_corrupt_kv_reply_leaves_destination_slots_unchanged(stored, proxy, acti
     rid = lookup(connector)
     before = kv_of(pool, DST)
     proxy.add_rule(FaultRule(action, op="prepare_retrieve"))
-    with pytest.raises(ProtocolError) as err:
-        connector.retrieve_into(TOKENS, rid, pool, DST, start=0, end=64, timeout_s=5.0)
+    r = Retrieval(connector.epoch, 0, 64)
+    with pytest.raises(ProtocolError):
+        connector.retrieve_into(TOKENS, rid, pool, DST, start=0, end=64, timeout_s=5.0,
+                                retrieval=r)
     assert proxy.stats[action] == 1
     assert same_kv(kv_of(pool, DST), before)
-    assert err.value.owed is not None  # prepare_retrieve answered: its commit is owed
-    assert err.value.owed(2.0) is True
+    assert r.owes  # prepare_retrieve answered: its commit is owed
+    assert r.release(2.0) is True
     connector.free_locks(TOKENS, rid, 0, 64, 2.0)
 
 

@@ -18,6 +18,7 @@ import torch
 from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.connectors.errors import DaemonTimeout, DaemonUnavailable
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.connectors.retrieval import Retrieval
 from lmcache_loadback.orchestrator import DegradeReason, LoadBackConfig, LoadBackOrchestrator, PrefixState
 from tests.conftest import CHUNK, kv_of, make_pool, same_kv
 
@@ -94,8 +95,9 @@ def test_pieces_land_byte_exact_with_a_local_hit(shm_daemon, conn, layout, plan)
 def test_a_piece_failing_part_way_releases_every_lock_once(shm_daemon, conn, layout, failure):
     """Piece 2 of 3 fails. Unavailable: never sent, its locks are still held; timeout: it
     reached the daemon (here it really did not: the fake raise comes before the send, so its
-    chunks stay read-locked until freed). Either way `owed` pays piece 1's commit and frees
-    the pieces never asked for, and `locks_settled` tells the caller to free nothing."""
+    chunks stay read-locked until freed). Either way the retrieval owes piece 1's commit and
+    the free of the pieces never asked for, and `locks_moved` tells the caller to free
+    nothing."""
     n = 6 * CHUNK
     seed = 12 + 100 * (failure is DaemonTimeout)
     toks = _tokens(n, seed)
@@ -103,26 +105,29 @@ def test_a_piece_failing_part_way_releases_every_lock_once(shm_daemon, conn, lay
     conn.force_pieces = lambda k: [2, 2, 2]
     real, calls = conn._prepare_range, []
 
-    def flaky(key, cnt, timeout_s):
+    def flaky(key, cnt, timeout_s, retrieval):
         calls.append((key.start, key.end))
         if len(calls) == 2:
-            raise failure("prepare_retrieve", timeout_s) if failure is DaemonTimeout \
-                else failure("injected: daemon gone")
-        return real(key, cnt, timeout_s)
+            if failure is DaemonUnavailable:
+                raise failure("injected: daemon gone")
+            # As `_prepare_range` records a call that timed out: its commit is owed.
+            retrieval.asked(key.end, conn._owed_commit(key))
+            raise failure("prepare_retrieve", timeout_s)
+        return real(key, cnt, timeout_s, retrieval)
 
     conn._prepare_range = flaky
     assert conn.lookup_hit_tokens(toks, "r-fail", 5) == n
     before = shm_daemon.held()["read_locks"]
     assert before >= 6
     dst = make_pool(layout, 1024, fill=False)
-    with pytest.raises(failure) as info:
+    r = Retrieval(conn.epoch, 0, n)
+    with pytest.raises(failure):
         conn.retrieve_into(toks, "r-fail", dst, torch.arange(n), start=0, end=n,
-                           timeout_s=5)
-    exc = info.value
-    assert exc.locks_settled and exc.owed is not None
+                           timeout_s=5, retrieval=r)
+    assert r.locks_moved and r.owes
     assert calls == [(0, 2 * CHUNK), (2 * CHUNK, 4 * CHUNK)]  # piece 3 never asked
-    exc.owed(5)
-    exc.owed(5)  # paying again frees nothing twice
+    r.release(5)
+    r.release(5)  # paying again frees nothing twice
     held = shm_daemon.held()["read_locks"]
     if failure is DaemonUnavailable:
         assert held == before - 6  # commit of piece 1 + free of pieces 2 and 3
@@ -153,7 +158,7 @@ def test_prepared_range_loads_later_and_its_commit_releases_it(shm_daemon, conn,
     got = conn.retrieve_into(toks, "r-prep", dst, slots, start=0, end=n, timeout_s=5,
                              skip=skip, prepared=prepared)
     assert same_kv(kv_of(dst, slots), kv_of(src, src_slots[skip:]))
-    assert got.commit is prepared.commit
+    assert prepared.retrieval.owes and got.commit == prepared.retrieval.release
     got.commit(5)
     conn.end_session("r-prep", 5)
     assert _settled(shm_daemon)["read_locks"] == 0

@@ -262,11 +262,15 @@ def test_lookup_answered_after_its_deadline_stays_a_miss():
     asked, answer = threading.Event(), threading.Event()
     aborted = []
 
+    from lmcache_loadback.orchestrator.results import MatchResult
+
     class SlowOrchestrator:
+        metrics = None  # exports nothing
+
         def match(self, request_id, token_ids, *, local_hit_tokens, cache_salt):
             asked.set()
             answer.wait(10)
-            return 64
+            return MatchResult(64)
 
         def abort(self, request_id):
             aborted.append(request_id)

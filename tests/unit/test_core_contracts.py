@@ -19,7 +19,7 @@ from lmcache_loadback.connectors.errors import (
 )
 from lmcache_loadback.testing.memory import InMemoryConnector, LeaseViolation
 from lmcache_loadback.orchestrator import DegradeReason, LoadBackConfig, PrefixState
-from lmcache_loadback.orchestrator.failures import FAILURES, LookupUnsettled, classify
+from lmcache_loadback.orchestrator.failures import FAILURES, LookupAbandoned, classify
 from lmcache_loadback.orchestrator.leases import Lease, RequestKey
 from lmcache_loadback.orchestrator.policies import retry_safe, run_with_retries
 from lmcache_loadback.harness.bench.core import NullConnector
@@ -179,9 +179,8 @@ def test_failure_after_prepare_answered_pays_the_owed_commit():
     real = conn.retrieve_into
 
     def retrieve_into(*a, **k):
-        got = real(*a, **k)  # prepare answered and pinned: then the data is refused
-        exc = ShortRead("3 of 4 chunks")
-        exc.owed = got.commit
+        real(*a, **k)  # prepare answered and pinned (its retrieval owes the commit)
+        exc = ShortRead("3 of 4 chunks")  # then the data is refused
         paid.append(exc)
         raise exc
 
@@ -199,12 +198,12 @@ def test_failure_after_prepare_answered_pays_the_owed_commit():
 def test_release_owed_to_a_restarted_daemon_is_dropped_and_counted():
     orch, conn, _, _ = stored()
     conn.fail_next["lookup"].append(DaemonTimeout("lookup", 0.05))
-    conn.fail_next["settle_lookup"].append(DaemonUnavailable("down"))  # not sent: stays owed
+    conn.fail_next["abandon_lookup"].append(DaemonUnavailable("down"))  # not sent: stays owed
     assert orch.match("r", TOKS).reason == R.LOOKUP_TIMEOUT
     assert orch.pending_debts() == 1
     conn.restart()
     orch.tick()  # re-registers with the new daemon and pays what it may
-    assert conn.calls["settle_lookup"] == 1  # only the attempt on the old daemon
+    assert conn.calls["abandon_lookup"] == 1  # only the attempt on the old daemon
     assert orch.pending_debts() == 0
     assert orch.link.stale_dropped == 1
     assert snap(orch, "loadback_stale_releases_dropped_total") == 1
@@ -252,7 +251,7 @@ def test_retry_policy_reads_the_class_flags():
 
     assert retry_safe(Flaky("x")) and retry_safe(DaemonTimeout("op", 1))
     assert not retry_safe(ProtocolError("x")) and not retry_safe(ValueError("x"))
-    assert not retry_safe(LookupUnsettled(DaemonTimeout("lookup", 1)))
+    assert not retry_safe(LookupAbandoned(DaemonTimeout("lookup", 1)))
 
 
 def test_retries_and_deadline_run_on_the_injected_clock(monkeypatch):
@@ -294,7 +293,7 @@ def test_lookup_deadline_is_kept_on_the_fake_clock(monkeypatch):
 def test_failure_table_maps_each_phase_and_class():
     want = {
         ("lookup", DaemonTimeout("lookup", 1)): (R.LOOKUP_TIMEOUT, "lookup"),
-        ("lookup", LookupUnsettled(ProtocolError("x"))): (R.LOOKUP_ERROR, None),
+        ("lookup", LookupAbandoned(ProtocolError("x"))): (R.LOOKUP_ERROR, None),
         ("retrieve", DaemonTimeout("prep", 1)): (R.RETRIEVE_TIMEOUT, "retrieve"),
         ("retrieve", ShortRead("x")): (R.SHORT_READ, None),
         ("retrieve", ProtocolError("x")): (R.CORRUPT_DATA, None),

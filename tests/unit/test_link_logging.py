@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from lmcache_loadback.connectors.errors import DaemonTimeout, DaemonUnavailable, VersionSkew
-from lmcache_loadback.orchestrator.link import STATE_LOG_INTERVAL_S
+from lmcache_loadback.orchestrator.state_log import STATE_LOG_INTERVAL_S
 from tests.unit.test_orchestrator_unit import make
 
 

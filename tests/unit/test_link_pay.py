@@ -17,7 +17,8 @@ from lmcache_loadback.connectors.kv_layout import KVLayout
 from lmcache_loadback.testing.memory import InMemoryConnector
 from lmcache_loadback.orchestrator import LoadBackConfig
 from lmcache_loadback.orchestrator.instruments import product_metrics
-from lmcache_loadback.orchestrator.link import Debt, DaemonLink
+from lmcache_loadback.orchestrator.debts import Debt
+from lmcache_loadback.orchestrator.link import DaemonLink
 from lmcache_loadback.orchestrator.policies import CircuitBreaker
 
 

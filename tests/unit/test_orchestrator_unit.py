@@ -137,7 +137,7 @@ def test_lookup_timeout_degrades_with_reason_and_owes_the_release():
                                                 DegradeReason.LOOKUP_TIMEOUT)
     assert orch.state_of("r") == PrefixState.DEGRADED
     # The lost LOOKUP took locks daemon-side: settled (inline without background threads).
-    assert conn.calls["settle_lookup"] == 1
+    assert conn.calls["abandon_lookup"] == 1
     assert conn.held_locks() == 0 and orch.pending_debts() == 0
 
 
@@ -320,6 +320,6 @@ def test_failed_relookup_settles_that_lookup_and_stops_retrying():
     res = orch.load_back("r", torch.arange(900, 964))
     assert res.loaded_tokens == 0 and res.reason == DegradeReason.RETRIEVE_TIMEOUT
     assert conn.calls["retrieve"] == 1 and conn.calls["lookup"] == 2
-    assert conn.calls["settle_lookup"] == 1
+    assert conn.calls["abandon_lookup"] == 1
     orch.finish("r")
     assert conn.held_locks() == 0 and orch.pending_debts() == 0

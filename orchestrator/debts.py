@@ -1,0 +1,211 @@
+"""The daemon's debts: releases it is owed (lock frees, abandoned LOOKUPs, commits of
+retrievals, session ends), each tied to the daemon incarnation it was incurred on, and paid in
+order per request, off the request path; `DebtBook` is the part of `DaemonLink` that keeps them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from lmcache_loadback.connectors.base import Connector
+from lmcache_loadback.connectors.errors import ConnectorError, DaemonUnavailable
+from lmcache_loadback.metrics import LoadbackMetrics
+
+from .policies import CircuitBreaker
+
+log = logging.getLogger("loadback")
+
+# What one try at a debt came to (`DaemonLink._step`).
+_PAID = "paid"    # off the books: done, never to be repeated, or given up
+_WAIT = "wait"    # its `ready` is false: not tried, no try spent
+_LATER = "later"  # failed: tried again on a later pass
+
+
+@dataclass
+class Debt:
+    """One release the daemon is owed. `run(timeout_s)` returns False (or raises) while it
+    cannot complete yet; debts of one request are paid in order (a session is never ended
+    before its locks are released)."""
+
+    what: str
+    request_id: str
+    #: The daemon incarnation (connector epoch) the debt was incurred on.
+    epoch: int
+    run: Callable[[float], object]
+    #: Repeat after any failure (True only for idempotent work). A release that may have
+    #: reached the daemon is never sent twice: a second free_lookup_locks would strip
+    #: another reader's lock. Only "not sent" (DaemonUnavailable) repeats those.
+    idempotent: bool = False
+    #: Not before this holds (the copy finished reading the daemon's buffer; the daemon
+    #: answered every call of the request). Waiting costs no try.
+    ready: Callable[[], bool] | None = None
+    tries: int = 0
+    max_tries: int = 20
+    #: Its run or ready raised unexpectedly and that was logged at WARNING (once a debt).
+    warned: bool = False
+
+
+class DebtBook:
+    """The debts of one daemon link, and how they are paid.
+
+    Every debt is tied to the daemon incarnation it was incurred on: a daemon that restarted
+    never saw those locks or sessions, and in lmcache 0.5.6 `free_lookup_locks` and a served
+    `prepare_retrieve` create the session they name, so paying an old debt to a new daemon
+    would leave it a session for a request it never served. Such debts are dropped, counted
+    (`stale_dropped`). A debt whose `run` or `ready` raises something no daemon failure
+    explains (a CUDA error in `Event.query()`, a bug) never costs the other debts: it is
+    warned about once, asked again while a repeat is safe, and given up after `max_tries`,
+    counted (`given_up`, `loadback_releases_failed_total{what}`).
+    """
+
+    connector: Connector
+    breaker: CircuitBreaker
+    metrics: LoadbackMetrics
+    background: bool
+    control_s: float  # the link's control-call timeout
+
+    def _init_debts(self) -> None:
+        self.stale_dropped = 0  # debts of an old daemon incarnation, never sent
+        self.given_up = 0  # debts out of tries (or unsafe to repeat), never paid
+        self._debts: list[Debt] = []
+        self._lock = threading.Lock()
+        self._pay_lock = threading.Lock()  # one payer at a time keeps each request's order
+        self._release_wake = threading.Event()
+
+    def owe(self, what: str, request_id: str, epoch: int, run: Callable[[float], object], *,
+            idempotent: bool = False, ready: Callable[[], bool] | None = None,
+            max_tries: int = 20) -> None:
+        """A release the daemon incarnation `epoch` is owed. With background threads it is
+        queued and paid by the releaser at once, off the request path (a hung daemon must
+        not stretch match, load_back or finish); without them it runs inline if it can."""
+        debt = Debt(what, request_id, epoch, run, idempotent, ready, max_tries=max_tries)
+        if self._stale(debt):
+            return
+        if self.background:
+            self._queue(debt)
+            self._release_wake.set()
+            return
+        with self._lock:
+            queued = any(d.request_id == request_id for d in self._debts)
+        if (queued or not self.breaker.allow()
+                or self._step(debt, self.control_s, on_failure=self.breaker.record) != _PAID):
+            self._queue(debt)
+
+    def pending(self, request_id: str | None = None) -> int:
+        with self._lock:
+            return sum(1 for d in self._debts if request_id in (None, d.request_id))
+
+    def _queue(self, debt: Debt) -> None:
+        with self._lock:
+            self._debts.append(debt)
+
+    def _stale(self, d: Debt) -> bool:
+        if d.epoch == self.connector.epoch:
+            return False
+        log.debug("%s for %s was owed to daemon incarnation %d, now %d: dropped",
+                  d.what, d.request_id, d.epoch, self.connector.epoch)
+        with self._lock:
+            self.stale_dropped += 1
+        self.metrics.stale_release_dropped()
+        return True
+
+    def _step(self, d: Debt, timeout_s: float, *, on_failure=None) -> str:
+        """One try at `d` once its `ready` holds: _PAID, _WAIT (not ready) or _LATER. An
+        unexpected raise from `ready` or `run` is `_raised`'s to handle, never the caller's."""
+        if d.ready is not None:
+            try:
+                if not d.ready():
+                    return _WAIT
+            except Exception as exc:  # noqa: BLE001 - a bug or a CUDA error, not the daemon
+                # Is a copy still reading the buffer? Unknown: never pay on it; ask again.
+                return self._raised(d, "ready", exc, repeat=True)
+        return _PAID if self._attempt(d, timeout_s, on_failure=on_failure) else _LATER
+
+    def _raised(self, d: Debt, step: str, exc: Exception, *, repeat: bool) -> str:
+        """`d.<step>` raised `exc`: spend a try; _LATER while `repeat` and tries are left,
+        else give it up (_PAID: never paid, counted). One WARNING per debt."""
+        d.tries += 1
+        left = repeat and d.tries < d.max_tries
+        if not d.warned:
+            d.warned = True
+            log.warning("%s for %s: its %s raised %r; %s", d.what, d.request_id, step, exc,
+                        f"asked again, given up after {d.max_tries} tries" if left
+                        else "given up (the daemon keeps what it holds until its TTL)",
+                        exc_info=exc)
+        else:
+            log.debug("%s for %s: its %s raised %r (try %d of %d)", d.what, d.request_id,
+                      step, exc, d.tries, d.max_tries)
+        if left:
+            return _LATER
+        self._give_up(d)
+        return _PAID
+
+    def _give_up(self, d: Debt) -> None:
+        with self._lock:
+            self.given_up += 1
+        self.metrics.release_failed(d.what)
+        if not d.warned:
+            d.warned = True
+            log.warning("%s for %s given up after %d tries (the daemon keeps what it holds "
+                        "until its TTL)", d.what, d.request_id, d.tries)
+
+    def _attempt(self, d: Debt, timeout_s: float, *, on_failure=None) -> bool:
+        """Run one debt; True when it is off the books: done, possibly applied and so never to
+        be sent again (unless idempotent), or out of tries (given up, counted). A try is
+        spent only on a call the daemon got: one never sent waits (for the daemon, or its
+        epoch to pass) for free. `on_failure(False)` hears each failure."""
+        try:
+            done = d.run(timeout_s) is not False
+        except DaemonUnavailable:
+            if on_failure:
+                on_failure(False)
+            return False  # nothing was sent
+        except ConnectorError as exc:
+            if on_failure:
+                on_failure(False)
+            if not d.idempotent:
+                log.debug("%s for %s may have reached the daemon; not repeated: %s",
+                          d.what, d.request_id, exc)
+                return True
+            done = False
+        except Exception as exc:  # noqa: BLE001 - a bug, not a daemon failure
+            # It may have reached the daemon: repeated only when that is harmless.
+            return self._raised(d, "run", exc, repeat=d.idempotent) == _PAID
+        if done:
+            return True
+        d.tries += 1
+        if d.tries < d.max_tries:
+            return False
+        self._give_up(d)
+        return True
+
+    def pay(self, timeout_s: float | None = None) -> bool:
+        """Pay every owed release that can be paid now, in order per request. True when a
+        debt waits only for its `ready` (a copy in flight): look again soon."""
+        timeout_s = self.control_s if timeout_s is None else timeout_s
+        with self._pay_lock:
+            with self._lock:
+                todo, self._debts = deque(self._debts), []
+            keep: list[Debt] = []
+            blocked: set[str] = set()
+            waiting = False
+            try:
+                while todo:
+                    d = todo[0]
+                    if d.request_id in blocked:
+                        keep.append(d)
+                    elif not self._stale(d):
+                        step = self._step(d, timeout_s)
+                        if step != _PAID:
+                            keep.append(d)
+                            blocked.add(d.request_id)
+                            waiting = waiting or step == _WAIT
+                    todo.popleft()
+            finally:  # even a bug in this loop loses no debt
+                with self._lock:
+                    self._debts = keep + list(todo) + self._debts
+            return waiting

@@ -1,0 +1,270 @@
+"""A retrieve's obligations as an object (`Retrieval`): settled exactly once whatever happens.
+
+The ledger alone (released twice, paid once; a raising step stays owed), then the real
+`LMCacheMPConnector` over a scripted transport (no daemon, no sleeps): a failure at each
+step of a retrieve, whole or in pieces, leaves exactly the debt the daemon is owed, and
+the lookup's read locks are the caller's to free exactly when no debt covers them.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import msgspec
+import pytest
+import torch
+
+from lmcache_loadback.connectors import wire
+from lmcache_loadback.connectors.base import Connector
+from lmcache_loadback.connectors.errors import (
+    DaemonRejected,
+    DaemonTimeout,
+    DaemonUnavailable,
+    ProtocolError,
+    ShortRead,
+    SlotsError,
+)
+from lmcache_loadback.connectors.kv_layout import KVLayout
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.connectors.retrieval import Retrieval
+from lmcache_loadback.connectors.safe_decode import dump_tensor_list
+from lmcache_loadback.testing.memory import InMemoryConnector
+from tests.conftest import kv_of, make_pool, same_kv
+
+C = 16
+LAYOUT = KVLayout(num_layers=1, num_heads=2, head_dim=8, dtype=torch.float16, chunk_size=C)
+TOKS = list(range(6 * C))
+
+
+# -- the ledger alone ----------------------------------------------------------------
+
+
+def _paying(log: list, name: str):
+    return lambda _t: log.append(name)
+
+
+def test_released_twice_is_paid_once_in_order():
+    paid: list[str] = []
+    r = Retrieval(epoch=3, start=0, end=64)
+    r.asked(32, _paying(paid, "commit a"))
+    r.asked(64, _paying(paid, "commit b"))
+    assert r.locks_moved and [o.what for o in r.owed] == ["commit_retrieve"] * 2
+    assert r.release(1.0) and r.release(1.0)
+    assert paid == ["commit a", "commit b"] and not r.owes
+    assert [(o.start, o.end) for o in r.paid] == [(0, 32), (32, 64)]
+
+
+def test_a_raising_step_stays_owed_and_is_paid_first_next_time():
+    paid: list[str] = []
+    fail = [True]
+
+    def flaky(_t):
+        if fail[0]:
+            raise DaemonUnavailable("not sent")
+        paid.append("commit b")
+
+    r = Retrieval(0, 0, 96)
+    r.asked(32, _paying(paid, "commit a"))
+    r.asked(64, flaky)
+    r.owe("free_locks", 64, 96, _paying(paid, "free c"))
+    with pytest.raises(DaemonUnavailable):
+        r.release(1.0)
+    assert paid == ["commit a"] and [repr(o) for o in r.owed] == [
+        "commit_retrieve[32, 64)", "free_locks[64, 96)"]
+    fail[0] = False
+    r.release(1.0)
+    r.release(1.0)
+    assert paid == ["commit a", "commit b", "free c"]
+
+
+def test_handed_over_once_and_closed_after():
+    r = Retrieval(0, 0, 32)
+    assert not r.locks_moved and not r.hand_over()  # nothing owed: nothing to queue
+    r2 = Retrieval(0, 0, 32)
+    r2.asked(32, lambda _t: None)
+    assert r2.hand_over() and not r2.hand_over()
+    with pytest.raises(RuntimeError, match="handed over"):
+        r2.owe("free_locks", 0, 32, lambda _t: None)
+
+
+def test_asked_without_a_commit_moves_the_locks_and_owes_nothing():
+    r = Retrieval(0, 16, 48)
+    r.asked(48, None)
+    assert r.locks_moved and not r.owes and r.asked_to == 48
+    with pytest.raises(ValueError):
+        r.asked(64, None)  # beyond the range
+
+
+# -- the connector, over a scripted transport ----------------------------------------
+
+
+class ScriptedTransport:
+    """Answers each op from a script (a value to encode, a frame, or an exception to
+    raise), else like an idle healthy daemon; records every op sent, in order."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.late_replies = 0
+        self.fences_dropped = 0
+        self.sent: list[tuple[str, tuple[int, int] | None]] = []
+        self.keys: list[wire.CacheKey] = []
+        self.script: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+
+    def call(self, op, frames, timeout_s, *, request_id=None, fence=None, probe=False):
+        key = None
+        if op in ("prepare_retrieve", "commit_retrieve", "free_lookup_locks"):
+            k = msgspec.msgpack.decode(frames[0], type=wire.CacheKey)
+            self.keys.append(k)
+            key = (k.start, k.end)
+        self.sent.append((op, key))
+        step = self.script[op].popleft() if self.script[op] else _DEFAULT.get(op)
+        if isinstance(step, BaseException):
+            raise step
+        if callable(step):
+            step = step(key)
+        if isinstance(step, bytes) or step is None:
+            return step
+        return wire.encode(step)
+
+    def unanswered(self, request_id=None) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+_DEFAULT = {"commit_retrieve": True, "free_lookup_locks": None}
+SOURCE = make_pool(LAYOUT, 256)
+
+
+def _chunks_reply(key) -> wire.PrepareRetrieveReply:
+    """The chunks of tokens [start, end), from SOURCE's slots 0..."""
+    from lmcache_loadback.connectors.kv_layout import gather_chunks
+
+    s, e = key
+    chunks = gather_chunks(LAYOUT, SOURCE.k_buffer, SOURCE.v_buffer, torch.arange(s, e))
+    return wire.PrepareRetrieveReply(success=True, data=dump_tensor_list(chunks))
+
+
+FAILURES = {
+    "unavailable": lambda: DaemonUnavailable("injected: not sent"),
+    "timeout": lambda: DaemonTimeout("prepare_retrieve", 0.1),
+    "refused": lambda: wire.PrepareRetrieveReply(success=False),
+    "short": lambda: wire.PrepareRetrieveReply(success=True, data=dump_tensor_list([])),
+    "undecodable": lambda: b"\xc1",
+}
+#: Whether the daemon may have served the failed call (its commit is then owed).
+REACHED = {"unavailable": False, "timeout": True, "refused": False, "short": True,
+           "undecodable": True}
+RAISES = {"unavailable": DaemonUnavailable, "timeout": DaemonTimeout,
+          "refused": DaemonRejected, "short": ShortRead, "undecodable": ProtocolError}
+
+
+def _conn(pieces=None) -> tuple[LMCacheMPConnector, ScriptedTransport]:
+    t = ScriptedTransport()
+    conn = LMCacheMPConnector("tcp://scripted", LAYOUT, transfer="pickle", transport=t)
+    conn.force_pieces = pieces
+    return conn, t
+
+
+def _retrieve(conn, r, slots=None):
+    dst = make_pool(LAYOUT, 256, fill=False)
+    slots = torch.arange(100, 100 + r.end - r.start) if slots is None else slots
+    return dst, slots, conn.retrieve_into(TOKS, "r", dst, slots, start=r.start, end=r.end,
+                                          timeout_s=1.0, retrieval=r)
+
+
+def _paid_ops(t: ScriptedTransport, r: Retrieval) -> list:
+    """Pay the retrieval twice; the releases that went out (once each)."""
+    n = len(t.sent)
+    r.release(1.0)
+    r.release(1.0)
+    return t.sent[n:]
+
+
+def test_both_connectors_satisfy_the_whole_protocol():
+    assert isinstance(_conn()[0], Connector)
+    assert isinstance(InMemoryConnector(LAYOUT), Connector)
+
+
+def test_a_landed_retrieve_owes_its_commit_once():
+    conn, t = _conn()
+    t.script["prepare_retrieve"].append(_chunks_reply)
+    r = Retrieval(conn.epoch, 0, 2 * C)
+    dst, slots, got = _retrieve(conn, r)
+    assert same_kv(kv_of(dst, slots), kv_of(SOURCE, torch.arange(2 * C)))
+    assert r.locks_moved and got.commit == r.release
+    assert _paid_ops(t, r) == [("commit_retrieve", (0, 2 * C))]
+
+
+@pytest.mark.parametrize("how", sorted(FAILURES))
+def test_a_failed_whole_retrieve_owes_exactly_its_commit_when_it_may_have_been_served(how):
+    conn, t = _conn()
+    t.script["prepare_retrieve"].append(FAILURES[how]())
+    r = Retrieval(conn.epoch, 0, 2 * C)
+    with pytest.raises(RAISES[how]):
+        _retrieve(conn, r)
+    assert r.locks_moved == REACHED[how]  # else the caller's lease frees [0, 32) itself
+    want = [("commit_retrieve", (0, 2 * C))] if REACHED[how] else []
+    assert _paid_ops(t, r) == want
+
+
+def test_refused_slots_send_nothing_and_owe_nothing():
+    conn, t = _conn()
+    r = Retrieval(conn.epoch, 0, 2 * C)
+    with pytest.raises(SlotsError):
+        _retrieve(conn, r, slots=torch.arange(5))
+    assert t.sent == [] and not r.locks_moved and not r.owes
+
+
+@pytest.mark.parametrize("how", sorted(FAILURES))
+@pytest.mark.parametrize("piece", [0, 1, 2])
+def test_a_piece_failing_leaves_exactly_the_right_debt(piece, how):
+    """Pieces of [2, 2, 2] chunks, piece `piece` fails: the pieces before it owe their
+    commits, the failed one its commit if the daemon may have served it, and once anything
+    moved the locks, the free of the pieces never asked for; nothing at all if nothing
+    reached the daemon (the caller's lease then frees the whole range)."""
+    conn, t = _conn(pieces=lambda n: [2, 2, 2])
+    for _ in range(piece):
+        t.script["prepare_retrieve"].append(_chunks_reply)
+    t.script["prepare_retrieve"].append(FAILURES[how]())
+    r = Retrieval(conn.epoch, 0, 6 * C)
+    with pytest.raises(RAISES[how]):
+        _retrieve(conn, r)
+    ranges = [(i * 2 * C, (i + 1) * 2 * C) for i in range(3)]
+    asked = piece + REACHED[how]  # pieces whose locks may have moved to daemon transfers
+    want = [("commit_retrieve", ranges[i]) for i in range(asked)]
+    if 0 < asked < 3:
+        want.append(("free_lookup_locks", (asked * 2 * C, 6 * C)))
+    assert r.locks_moved == bool(asked)
+    assert _paid_ops(t, r) == want
+
+
+def test_a_prepared_range_owes_its_commit_to_its_own_incarnation():
+    conn, t = _conn()
+    t.script["prepare_retrieve"].append(_chunks_reply)
+    r = Retrieval(conn.epoch, 0, 2 * C)
+    prepared = conn.prepare(TOKS, "r", start=0, end=2 * C, timeout_s=1.0, retrieval=r)
+    assert prepared.retrieval is r and r.locks_moved and r.owes
+    t.epoch += 1  # the daemon restarted before the copy
+    with pytest.raises(DaemonUnavailable, match="restarted"):
+        conn.retrieve_into(TOKS, "r", make_pool(LAYOUT, 64, fill=False), torch.arange(2 * C),
+                           start=0, end=2 * C, timeout_s=1.0, prepared=prepared)
+    assert r.epoch == 0 and r.owes  # owed to the old daemon: the link drops it as stale
+    with pytest.raises(ValueError, match="its own retrieval"):
+        conn.retrieve_into(TOKS, "r", make_pool(LAYOUT, 64, fill=False), torch.arange(2 * C),
+                           start=0, end=2 * C, timeout_s=1.0, prepared=prepared,
+                           retrieval=Retrieval(1, 0, 2 * C))
+
+
+def test_a_sharded_retrieval_frees_only_its_own_share_of_the_pieces_never_asked_for():
+    conn, t = _conn(pieces=lambda n: [2, 4])
+    t.script["prepare_retrieve"].extend([_chunks_reply, DaemonUnavailable("gone")])
+    r = Retrieval(conn.epoch, 0, 6 * C, shard=True)
+    with pytest.raises(DaemonUnavailable):
+        _retrieve(conn, r)
+    n = len(t.keys)
+    r.release(1.0)
+    free = t.keys[n + 1:]  # after piece 1's commit
+    assert [(k.start, k.end, k.worker_id, k.num_kv_readers) for k in free] == [
+        (2 * C, 6 * C, conn.kv_rank, 1)]  # this rank's share, not the group's
