@@ -10,6 +10,140 @@ repeat goes to the connector), `VLLM_CPU_KVCACHE_SPACE=1`, `VLLM_HOST_IP=127.0.0
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MODEL_DIR = Path(__file__).resolve().parent / "model"
+
+SERVED_NAME = "tiny"
+BLOCK_SIZE = 32
+#: A KV connector reserves one more CPU core; with 2 cores that would leave nothing reserved.
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+def kv_transfer_config(config_file: str, *, policy: str = "recompute") -> dict:
+    """--kv-transfer-config for this product's connector."""
+    return {"kv_connector": "LoadBackConnector",
+            "kv_connector_module_path": "lmcache_loadback.engines.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {"loadback.config_file": config_file}}
+
+
+@dataclass
+class VLLMServer:
+    """One `python -m vllm.entrypoints.openai.api_server` process group on loopback."""
+
+    port: int
+    log_path: str
+    kv_config: dict | None = None       # None: no connector (the reference server)
+    max_model_len: int = 2048
+    python: str = sys.executable
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(MODEL_DIR), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+               "--port", str(self.port), "--load-format", "dummy", "--dtype", "bfloat16",
+               "--enforce-eager", "--max-model-len", str(self.max_model_len),
+               "--block-size", str(BLOCK_SIZE), "--no-enable-prefix-caching"]
+        if self.kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        return cmd + list(self.extra_args)
+
+    def start(self, timeout_s: float = 180.0) -> "VLLMServer":
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env={**os.environ, **ENV},
+                                     start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode} during start; "
+                                   f"log: {self.log_path}\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM not ready within {timeout_s:.0f} s; log: {self.log_path}\n"
+                           f"{self.log_tail()}")
+
+    def complete(self, prompt: list[int], max_tokens: int = 8, timeout_s: float = 60.0
+                 ) -> tuple[list[int] | str, float]:
+        """Greedy completion of token ids: (the generated text, seconds)."""
+        body = json.dumps({"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.monotonic()
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            out = json.loads(r.read())
+        return out["choices"][0]["text"], time.monotonic() - t0
+
+    def metrics_text(self, url: str | None = None) -> str:
+        with urllib.request.urlopen(url or self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM to the API server (it stops EngineCore and Worker itself, ~2 s), then
+        SIGKILL to whatever of its process group is left after `timeout_s`."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # started in its own session: the group id is its pid
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # EngineCore or Worker left behind go with the group
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=10)
+
+
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of the samples of `name` whose labels include `labels` in a /metrics text."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, rest = head.partition("{")
+        if metric != name:
+            continue
+        if labels and not all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            continue
+        total += float(value)
+    return total
