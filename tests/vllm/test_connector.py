@@ -14,22 +14,12 @@ from lmcache_loadback.connectors.ports import free_port
 
 from .conftest import CHUNK
 from .mini_engine import BLOCK, LAYERS, MiniEngine, kv_value
+from .waiting import wait_until
 
 pytestmark = pytest.mark.daemon
 
 PROMPT = [5 + (i * 13) % 4000 for i in range(200)]   # 200 tokens: 3 whole chunks of 64
 HIT = (len(PROMPT) - 1) // CHUNK * CHUNK               # 192: never the whole prompt
-
-
-def wait_until(cond, timeout_s: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s} s")
-        time.sleep(0.02)
 
 
 def released(daemon) -> bool:

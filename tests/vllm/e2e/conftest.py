@@ -5,12 +5,3 @@ Run: .venv-vllm/bin/python -m pytest tests/vllm/e2e -q   (about 1 minute; a serv
 cores of this machine while it starts). Servers, daemon and proxy are stopped by what started
 them (process group / PID).
 """
-
-from __future__ import annotations
-
-import pytest
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        item.add_marker(pytest.mark.e2e)

@@ -4,7 +4,6 @@ killed between LOOKUP and RETRIEVE costs one recompute, hits resume after its re
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 
 import pytest
@@ -13,23 +12,15 @@ from lmcache_loadback.connectors.ports import free_port
 from lmcache_loadback.harness.vllm.server import VLLMServer, kv_transfer_config, metric_value
 from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
+from ..waiting import wait_until
+
+pytestmark = pytest.mark.e2e
 
 CHUNK = 256
 PROMPTS = [[5 + (i * k) % 4000 for i in range(600)] for k in (7, 11, 13)]
 HIT = 512   # whole chunks of a 600-token prompt, one token left to compute
 MAX_TOKENS = 8
 RETRIEVE_BASE_MS = 1000
-
-
-def wait_until(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s} s")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
