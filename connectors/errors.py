@@ -1,20 +1,7 @@
-"""Errors of the daemon side, grouped by what a caller can do about them.
-
-Callers catch by meaning, never by message:
-
-    ConnectorError                 anything that went wrong talking to the daemon
-      DaemonTimeout                no answer within the caller's deadline
-      DaemonUnavailable            no connection: refused, down, or never reached
-        VersionSkew                a daemon answers the transport but not this protocol
-      ProtocolError                an answer that cannot be trusted: garbled frame,
-                                   wrong op echo, payload of the wrong type/shape/dtype,
-                                   or bytes that tried to run code
-        ShortRead                  fewer KV chunks than asked for
-        RequestDropped             a later request was answered, this one never
-      DaemonRejected               the daemon answered and said no
-    SlotsError (ValueError)        the caller passed KV slots that do not fit the request
-    UnsupportedKVPool (ValueError) the engine's KV pool is one this product cannot move
-                                   byte-exact (refused at start-up, never per request)
+"""Errors of the daemon side, grouped by what a caller can do about them; callers catch by
+meaning, never by message. `ConnectorError`: timeout, unavailable (or version skew), an
+untrustworthy answer (short read, dropped request), a refusal. `SlotsError` and
+`UnsupportedKVPool` (both ValueError) are the caller's own mistakes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""One prefix's calls to the daemon, each inside its deadline, with retries and leases.
-
-`PrefixCalls.lookup` sends the LOOKUP (match), `PrefixCalls.retrieve` the RETRIEVE
-(load_back, re-looking up before a retry whose predecessor may have consumed the locks);
-each answers a result or the degrade reason the failure table (failures.py) gives. Read
-locks are freed only through the prefix's `Lease`, and every release goes to the
-`DaemonLink` as a debt of the daemon incarnation it belongs to. The state machine, TP
-agreement and outcome counting stay in core.py.
+"""One prefix's calls to the daemon, each inside its deadline, with retries: `PrefixCalls`
+sends the LOOKUP (match) and the RETRIEVE (load_back). Read locks are freed only through the
+prefix's `Lease`, a retrieve's obligations only through its `Retrieval`, and every release
+goes to the `DaemonLink` as a debt of the daemon incarnation it belongs to.
 """
 
 from __future__ import annotations

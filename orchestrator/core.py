@@ -25,6 +25,7 @@ from .leases import Lease, RequestKey
 from .link import DaemonLink
 from .policies import BreakEvenGuard, CircuitBreaker, Clock, monotonic
 from .results import LoadResult, MatchResult
+from .sessions import Sessions
 from .states import DegradeReason, PrefixState, fire
 from .tp import TPAgreement
 
@@ -86,11 +87,9 @@ class LoadBackOrchestrator:
         self.sleep = sleep
         self.metrics = metrics or product_metrics()
         self.tp = TPAgreement(tp_group)
-        self._store_suffix = "" if self.tp.leader else f"@rank{self.tp.rank}"
         self.breaker = CircuitBreaker(config.breaker, clock=clock)
         self.break_even = BreakEvenGuard(config.break_even, connector.layout.bytes_per_token)
         self._live: dict[str, Prefix] = {}
-        self._sessions: dict[str, int] = {}  # request -> daemon epoch its last call went to
         # Requests inside match -> the release asked for meanwhile (None: none yet).
         self._matching: dict[str, DegradeReason | None] = {}
         self._lock = threading.RLock()
@@ -102,6 +101,8 @@ class LoadBackOrchestrator:
         self.link = DaemonLink(connector, config, self.breaker, self.metrics, background=bool(
             start_heartbeat if start_heartbeat is not None else config.heartbeat.enabled))
         self.breaker.on_change = self._breaker_changed
+        suffix = "" if self.tp.leader else f"@rank{self.tp.rank}"
+        self.sessions = Sessions(connector, self.link, self._lock, store_suffix=suffix)
         self.calls = PrefixCalls(connector, self.link, self.breaker, self.metrics, clock, sleep,
                                  kv_pool, sharded=self.tp.enabled, touch=self._touch_session)
 
@@ -225,7 +226,7 @@ class LoadBackOrchestrator:
             return False
         if len(token_ids) < self.connector.chunk_size or not self.connector.writer:
             return True  # TP-replicated KV (MLA): one rank writes for the group
-        sid = self._store_session(request_id)
+        sid = self.sessions.store_id(request_id)
         self._touch_session(sid, self.connector.epoch)
         try:
             ok = self.connector.store_from(token_ids, sid, self.kv_pool, slots,
@@ -256,29 +257,13 @@ class LoadBackOrchestrator:
                 self._matching[request_id] = self._matching[request_id] or reason
                 return
             p = self._live.pop(request_id, None)
-            ended = [(sid, self._sessions.pop(sid)) for sid in
-                     (request_id, self._store_session(request_id)) if sid in self._sessions]
+            ended = self.sessions.take(request_id)
         if p is not None and not PrefixState(p.state).terminal:
             self._finish_degraded(p, reason)
-        for sid, epoch in ended:
-            # A call the daemon has not answered yet would re-create the session when
-            # served: the end waits until every call of the request is answered or dropped.
-            self.link.owe("end_session", sid, epoch,
-                          lambda t, sid=sid: self.connector.end_session(sid, t),
-                          idempotent=True, ready=lambda sid=sid: self._answered(sid))
-
-    def _store_session(self, request_id: str) -> str:
-        """The daemon session a STORE runs under. A TP rank other than the leader stores
-        under its own: ending it can then never remove the group's lookup session while
-        the leader still owes that lookup a release."""
-        return request_id + self._store_suffix
-
-    def _answered(self, request_id: str) -> bool:
-        return self.connector.unanswered(request_id) == 0
+        self.sessions.end(ended)
 
     def _touch_session(self, request_id: str, epoch: int) -> None:
-        with self._lock:
-            self._sessions[request_id] = epoch
+        self.sessions.touch(request_id, epoch)
 
     def reload(self, config: LoadBackConfig) -> None:
         """Swap policy values (deadlines, retries, breaker, break-even, heartbeat) in place.
@@ -386,7 +371,7 @@ class LoadBackOrchestrator:
         self._closed = True
         self.link.stop_threads()
         with self._lock:
-            ids = list(self._live) + [s for s in self._sessions if s not in self._live]
+            ids = list(self._live) + [s for s in self.sessions.ids() if s not in self._live]
         for rid in ids:
             self._release(rid, DegradeReason.CLOSED)
         self.link.pay()

@@ -1,9 +1,6 @@
-"""What a failed daemon call means, by table: (phase, error class) -> outcome.
-
-The one place that decides, for a ConnectorError raised while looking up, retrieving or
-storing, which degrade reason the prefix gets, whether the breaker hears a failure, which
-timeout counter moves and whether the registration becomes suspect. Rows are tried in
-order; the first whose class matches wins, so subclasses come before their bases.
+"""What a failed daemon call means, by table: (phase, error class) -> outcome (degrade reason,
+breaker verdict, timeout counter, suspicion). Rows are tried in order, the first whose class
+matches wins, so subclasses come before their bases.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from lmcache_loadback.connectors.errors import (
     ShortRead,
 )
 
-from .states import DegradeReason as R
+from .states import DegradeReason
 
 
 class LookupAbandoned(ConnectorError):
@@ -35,7 +32,7 @@ class LookupAbandoned(ConnectorError):
 @dataclass(frozen=True)
 class Outcome:
     #: The prefix's degrade reason (None for store, which has no prefix).
-    reason: R | None
+    reason: DegradeReason | None
     #: What the breaker records (False: a failure toward opening it).
     breaker_ok: bool = False
     #: The op whose timeout counter moves (None: not a timeout).
@@ -46,12 +43,14 @@ class Outcome:
 
 #: (phase, error class, outcome). Read top-down; the first matching row wins.
 FAILURES: list[tuple[str, type[ConnectorError], Outcome]] = [
-    ("lookup", DaemonTimeout, Outcome(R.LOOKUP_TIMEOUT, timeout_op="lookup", suspect=True)),
-    ("lookup", ConnectorError, Outcome(R.LOOKUP_ERROR)),
-    ("retrieve", DaemonTimeout, Outcome(R.RETRIEVE_TIMEOUT, timeout_op="retrieve", suspect=True)),
-    ("retrieve", ShortRead, Outcome(R.SHORT_READ, suspect=True)),
-    ("retrieve", ProtocolError, Outcome(R.CORRUPT_DATA, suspect=True)),
-    ("retrieve", ConnectorError, Outcome(R.RETRIEVE_ERROR, suspect=True)),
+    ("lookup", DaemonTimeout,
+     Outcome(DegradeReason.LOOKUP_TIMEOUT, timeout_op="lookup", suspect=True)),
+    ("lookup", ConnectorError, Outcome(DegradeReason.LOOKUP_ERROR)),
+    ("retrieve", DaemonTimeout,
+     Outcome(DegradeReason.RETRIEVE_TIMEOUT, timeout_op="retrieve", suspect=True)),
+    ("retrieve", ShortRead, Outcome(DegradeReason.SHORT_READ, suspect=True)),
+    ("retrieve", ProtocolError, Outcome(DegradeReason.CORRUPT_DATA, suspect=True)),
+    ("retrieve", ConnectorError, Outcome(DegradeReason.RETRIEVE_ERROR, suspect=True)),
     # lmcache 0.5.6 drops an unregistered instance's transfers unanswered: a store is the
     # only call a TP rank that is not the leader makes, so its failure must be suspect too.
     ("store", DaemonTimeout, Outcome(None, timeout_op="store", suspect=True)),

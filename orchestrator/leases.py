@@ -1,12 +1,7 @@
 """Read locks as a type: what one LOOKUP locked on the daemon, and what we may still free.
-
-The hazard (the same one SGLang's `DecLockRefParams` guards): the daemon's read locks are
-counts per chunk, not per holder, so a `free_lookup_locks` for a range this request no
-longer holds strips another reader's lock. A `Lease` therefore answers "which range may
-I free now?" and answers "none" once anything may have released the locks daemon-side (a
-prepare_retrieve that was answered, or sent and never answered): such locks move to that
-transfer, and its commit_retrieve (owed on every path, calls.py) releases them. This is the
-only place that rule lives.
+The daemon counts read locks per chunk, not per holder, so freeing a range this request no
+longer holds strips another reader's lock: a `Lease` answers "which range may I free now?",
+and "none" once anything may have released them daemon-side (their `Retrieval` owes that).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The per-prefix state machine: one table, one shared `transitions.Machine`.
-
-The table below is the single source of truth: `transitions` builds and validates the
-Machine from it, `loadback diagram` draws it, the stateful property test walks it. At run
-time `fire` applies the transition the Machine defines for (state, trigger), read from the
-Machine's own event table, and raises transitions' MachineError for any other: we declare
-no callbacks or conditions, so running its execution engine per trigger (~5 us each, four
-per healthy load-back, as much as the rest of the orchestrator's bookkeeping) buys nothing.
-`test_fire_agrees_with_transitions` pins `fire` to `Machine` triggers for every pair.
+"""The per-prefix state machine: one table (TRANSITIONS), one shared `transitions.Machine`
+built and validated from it. `fire` applies the transition the Machine defines for (state,
+trigger), read from its event table, without running its execution engine per trigger (no
+callbacks or conditions are declared); a test pins `fire` to the Machine for every pair.
 """
 
 from __future__ import annotations
@@ -49,17 +44,17 @@ class DegradeReason(str, enum.Enum):
     CLOSED = "closed"
 
 
-S = PrefixState
-_LIVE = [S.LOOKING_UP, S.MATCHED, S.MARKED, S.RETRIEVING]
+_LIVE = [PrefixState.LOOKING_UP, PrefixState.MATCHED, PrefixState.MARKED,
+         PrefixState.RETRIEVING]
 
 #: (trigger, sources, destination). Fits on one screen; everything else derives from it.
 TRANSITIONS: list[tuple[str, list[PrefixState], PrefixState]] = [
-    ("hit", [S.LOOKING_UP], S.MATCHED),
-    ("mark", [S.MATCHED], S.MARKED),
-    ("start_retrieve", [S.MARKED], S.RETRIEVING),
-    ("retry", [S.RETRIEVING], S.RETRIEVING),
-    ("land", [S.RETRIEVING], S.LOADED),
-    ("degrade", _LIVE, S.DEGRADED),
+    ("hit", [PrefixState.LOOKING_UP], PrefixState.MATCHED),
+    ("mark", [PrefixState.MATCHED], PrefixState.MARKED),
+    ("start_retrieve", [PrefixState.MARKED], PrefixState.RETRIEVING),
+    ("retry", [PrefixState.RETRIEVING], PrefixState.RETRIEVING),
+    ("land", [PrefixState.RETRIEVING], PrefixState.LOADED),
+    ("degrade", _LIVE, PrefixState.DEGRADED),
 ]
 
 MACHINE = Machine(
@@ -69,7 +64,7 @@ MACHINE = Machine(
         {"trigger": t, "source": [s.value for s in src], "dest": dst.value}
         for t, src, dst in TRANSITIONS
     ],
-    initial=S.LOOKING_UP.value,
+    initial=PrefixState.LOOKING_UP.value,
     auto_transitions=False,
 )
 _EVENTS = MACHINE.events
@@ -107,11 +102,11 @@ def transition_pairs() -> list[tuple[str, str]]:
 
 def mermaid() -> str:
     """The table as a mermaid state diagram (the README embeds this output)."""
-    lines = ["stateDiagram-v2", f"    [*] --> {S.LOOKING_UP.value}"]
+    lines = ["stateDiagram-v2", f"    [*] --> {PrefixState.LOOKING_UP.value}"]
     for trigger, src, dst in TRANSITIONS:
         for s in src:
             lines.append(f"    {s.value} --> {dst.value}: {trigger}")
-    lines.append(f"    {S.LOOKING_UP.value} --> [*]: miss (no trace)")
-    for s in (S.LOADED, S.DEGRADED):
+    lines.append(f"    {PrefixState.LOOKING_UP.value} --> [*]: miss (no trace)")
+    for s in (PrefixState.LOADED, PrefixState.DEGRADED):
         lines.append(f"    {s.value} --> [*]")
     return "\n".join(lines)

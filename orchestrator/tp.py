@@ -1,11 +1,6 @@
-"""One decision per prefix across tensor-parallel ranks.
-
-Every rank runs match/load_back for the same request in the same order (SGLang's
-scheduler is SPMD across TP ranks) and makes the same collectives on every path. One rank,
-the leader (rank 0 of the group), sends the request's LOOKUP for the whole group, as the
-daemon expects (one prefetch job per request id; `worker_id=None` locks every rank's
-shard); `share` hands its answer to every rank in the same all-reduce that lets any rank
-veto it. Each rank then retrieves its own shard under its own `worker_id`.
+"""One decision per prefix across tensor-parallel ranks: every rank makes the same collectives
+in the same order (SGLang's scheduler is SPMD); the leader (rank 0) sends the group's LOOKUP
+and `share` hands its answer to every rank in the same all-reduce that lets any rank veto it.
 """
 
 from __future__ import annotations

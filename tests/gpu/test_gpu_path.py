@@ -287,14 +287,14 @@ def test_a_pickle_store_stays_byte_exact_while_a_load_reuses_staging(pickle_daem
                                                                      monkeypatch):
     """The store's host chunks are serialised after its device-to-host copy: a pickle load
     running in between (through pinned staging) must not write where they are."""
-    import lmcache_loadback.connectors.lmcache_mp as mp
+    import lmcache_loadback.connectors.mp_store as store
     lay = _layout()
     conn = conns(pickle_daemon, lay)
     o_src, o_toks, o_stored = _stored_prefix(conn, lay, "other")
     src = _pool(lay)
     toks = torch.randint(1, 30000, (4 * CHUNK,)).tolist()
     stored = torch.randperm(2048)[:4 * CHUNK].to(DEV)
-    step = Stepped(monkeypatch, mp, "dump_tensor_list")  # copied to host, not serialised
+    step = Stepped(monkeypatch, store, "dump_tensor_list")  # copied to host, not serialised
     with step.held(lambda: conn.store_from(toks, "p-s", src, stored, timeout_s=T)):
         assert _load_exact(conn, lay, o_src, o_toks, o_stored, "o-r")
     assert step.result() is True

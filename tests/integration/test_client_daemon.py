@@ -70,13 +70,14 @@ def test_store_then_retrieve_into_other_slots_is_byte_exact(daemons, dtype, num_
 
 
 def test_shared_memory_mode_is_byte_exact_without_pickle(daemons, monkeypatch):
-    import lmcache_loadback.connectors.lmcache_mp as mp
+    import lmcache_loadback.connectors.mp_retrieve as retrieve
+    import lmcache_loadback.connectors.mp_store as store
 
     def refuse(*a, **k):
         raise AssertionError("shm mode must not unpickle")
 
-    monkeypatch.setattr(mp, "load_tensor_list", refuse)
-    monkeypatch.setattr(mp, "dump_tensor_list", refuse)
+    monkeypatch.setattr(retrieve, "load_tensor_list", refuse)
+    monkeypatch.setattr(store, "dump_tensor_list", refuse)
     layout = KVLayout(num_layers=2, num_heads=4, head_dim=32, dtype=torch.bfloat16, chunk_size=16)
     pool, src, dst = round_trip(daemons["shm"], layout, 1024, transfer="shm")
     assert same_kv(kv_of(pool, src), kv_of(pool, dst))

@@ -22,6 +22,7 @@ import lmcache_loadback.connectors.lmcache_mp as mp
 from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.connectors.errors import ConnectorError, DaemonUnavailable
 from lmcache_loadback.connectors.gpu_transfer import GpuTransfer
+from lmcache_loadback.connectors.shm_pool import ShmPool
 from lmcache_loadback.orchestrator import LoadBackConfig, LoadBackOrchestrator, PrefixState
 from tests.conftest import CHUNK, kv_of, make_pool, same_kv
 from tests.stepping import Stepped
@@ -78,9 +79,9 @@ def _register(orch, conn, monkeypatch) -> list:
 
 
 def _held_view(monkeypatch) -> Stepped:
-    """Holds the matching thread's first `_ShmPool.view`: it has read the mapping and not
+    """Holds the matching thread's first `ShmPool.view`: it has read the mapping and not
     used it yet."""
-    return Stepped(monkeypatch, mp._ShmPool, "view")
+    return Stepped(monkeypatch, ShmPool, "view")
 
 
 def test_a_suspect_reregistration_keeps_the_mapping_under_a_running_match(running, layout,
@@ -163,7 +164,7 @@ def test_a_new_segment_swapped_in_under_a_running_match_fails_it_typed(running, 
 
 
 def test_reregistration_remaps_only_for_a_new_segment(running, layout, monkeypatch):
-    """Same incarnation, same segment: the same _ShmPool and no second attach; a view
+    """Same incarnation, same segment: the same ShmPool and no second attach; a view
     taken before stays valid. After a restart: a new mapping, attached once more."""
     conn = mp.LMCacheMPConnector(running.endpoint, layout, transfer="shm")
     try:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import lmcache_loadback.connectors.lmcache_mp as mp
+import lmcache_loadback.connectors.mp_retrieve as retrieve
 from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.connectors.kv_layout import KVLayout
 
@@ -88,14 +89,14 @@ def test_daemon_killed_mid_copy_cannot_unmap_the_segment(shm_daemon, monkeypatch
     n = 4 * CHUNK
     src, toks, stored = _store_and_lookup(conn, layout, n, "kill")
     inside, resume = threading.Event(), threading.Event()
-    real = mp.scatter_skipping
+    real = retrieve.scatter_skipping
 
     def paused_scatter(*args):
         inside.set()  # the chunk views into the segment exist; hold the copy here
         assert resume.wait(60)
         real(*args)
 
-    monkeypatch.setattr(mp, "scatter_skipping", paused_scatter)
+    monkeypatch.setattr(retrieve, "scatter_skipping", paused_scatter)
     dst = make_pool(layout, 1024, fill=False)
     slots = torch.randperm(1024)[:n]
     out = {}

@@ -13,7 +13,7 @@ import torch
 
 from lmcache_loadback.connectors.gpu_transfer import GpuTransfer, GpuTransferError, _cuda_call, _pieces
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool, gather_chunks, scatter_skipping
-from lmcache_loadback.connectors.lmcache_mp import _ShmPool
+from lmcache_loadback.connectors.shm_pool import ShmPool
 from lmcache_loadback.connectors import wire
 from tests.stepping import Stepped
 
@@ -166,7 +166,7 @@ def test_closing_the_shm_pool_keeps_the_mapping_under_a_live_view():
     with open(path, "wb") as f:
         f.truncate(size)
     try:
-        pool = _ShmPool(name, size)
+        pool = ShmPool(name, size)
         slot = wire.ShmSlot(offset=LAYOUT.chunk_bytes, length=LAYOUT.chunk_bytes,
                             shape=list(LAYOUT.chunk_shape), dtype=LAYOUT.dtype_str)
         view = pool.view(slot, LAYOUT)
@@ -181,7 +181,7 @@ def test_closing_the_shm_pool_keeps_the_mapping_under_a_live_view():
 
 
 def test_mmap_close_needs_the_memoryview_export():
-    """Why _ShmPool maps through a memoryview: a plain frombuffer view does not pin it."""
+    """Why ShmPool maps through a memoryview: a plain frombuffer view does not pin it."""
     m = mmap.mmap(-1, 4096)
     t = torch.frombuffer(memoryview(m), dtype=torch.uint8)[8:16]
     with pytest.raises(BufferError):
@@ -194,9 +194,10 @@ def test_pickle_message_over_the_wire_limit_is_refused_before_sending(monkeypatc
     """msgpack cannot carry 4 GiB: a raw EncodeError (or a reply that never comes) would
     reach the engine; a typed error naming the fix is raised before any call instead."""
     import lmcache_loadback.connectors.lmcache_mp as mp
+    import lmcache_loadback.connectors.mp_retrieve as retrieve
     from lmcache_loadback.connectors.errors import ProtocolError
 
-    monkeypatch.setattr(mp, "PICKLE_MAX_BYTES", 3 * LAYOUT.chunk_bytes)
+    monkeypatch.setattr(retrieve, "PICKLE_MAX_BYTES", 3 * LAYOUT.chunk_bytes)
     conn = mp.LMCacheMPConnector("tcp://127.0.0.1:9", LAYOUT, transfer="pickle")
     sent = []
     monkeypatch.setattr(conn, "_call", lambda *a, **k: sent.append(a))
