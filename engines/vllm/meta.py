@@ -21,6 +21,7 @@ class LoadOp:
     start: int
     end: int
     block_ids: list[int]
+    cache_salt: str = ""
 
 
 @dataclass
@@ -30,6 +31,7 @@ class StoreOp:
     session: str
     token_ids: list[int]
     block_ids: list[int]
+    cache_salt: str = ""
 
 
 @dataclass

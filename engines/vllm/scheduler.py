@@ -9,6 +9,9 @@ then abandoned: the worker thread releases whatever it took). A request's ask is
 local hit; a different local hit (or a request coming back after its load was shipped, e.g.
 preempted) voids it and asks again under a new session id. A request whose load failed is never
 promised anything again (vLLM's recompute policy asks again; promising the same hit would loop).
+A preempted request gives back its LOOKUP's locks and session at once. Requests whose KV is not
+a function of their token ids alone (LoRA, multimodal, prompt embeddings) are neither looked up
+nor stored; vLLM's `cache_salt` goes with every LOOKUP, load and store.
 
 The worker process loads with its own LOOKUP under its own session (the prefix state lives in
 each process's orchestrator); this side's LOOKUP keeps the chunks read-locked until two steps
@@ -48,6 +51,7 @@ class Ask:
     local: int
     end: int                  # the prompt tokens the LOOKUP covers (never the whole prompt)
     deadline: float
+    salt: str = ""            # vLLM's cache_salt: KV of another salt is never shared
     tokens: int = 0           # tokens to load beyond `local` (0: recompute)
     done: bool = False
     abandoned: bool = False   # nobody reads its answer: the worker thread releases it
@@ -62,8 +66,18 @@ class Track:
 
     token_ids: list[int]
     blocks: list[int]
+    salt: str = ""
     stored: bool = False
     stores: int = 0           # stores shipped (each under its own session)
+
+
+def salt_of(request) -> str | None:
+    """The request's cache salt, or None when its KV is not a function of its token ids
+    alone (a LoRA adapter, multimodal inputs, prompt embeddings): never looked up or stored."""
+    if (request.prompt_token_ids is None or getattr(request, "lora_request", None) is not None
+            or getattr(request, "mm_features", None)):
+        return None
+    return getattr(request, "cache_salt", None) or ""
 
 
 class SchedulerSide:
@@ -80,6 +94,7 @@ class SchedulerSide:
                                                         kv_pool=None)
         self._asks: dict[str, Ask] = {}
         self._attempts: dict[str, int] = {}
+        self._salts: dict[str, str | None] = {}           # rid -> cache salt, None: not served
         self._failed: set[str] = set()
         self._loads: dict[str, LoadOp] = {}               # to ship with the next step
         self._shipped: dict[str, tuple[int, Ask]] = {}    # rid -> (step, ask) to release
@@ -98,7 +113,10 @@ class SchedulerSide:
                                    ) -> tuple[int | None, bool]:
         rid = request.request_id
         toks = request.prompt_token_ids
-        if toks is None or rid in self._failed or self._closed:
+        if rid not in self._salts:
+            self._salts[rid] = salt_of(request)
+        salt = self._salts[rid]
+        if salt is None or rid in self._failed or self._closed:
             return 0, False
         # never the whole prompt (one token is left to compute), never more than staging
         limit = min(len(toks) - 1, num_computed_tokens + self.settings.staging_tokens)
@@ -110,7 +128,7 @@ class SchedulerSide:
         if end <= num_computed_tokens:
             return 0, False
         if ask is None:
-            ask = self._submit(rid, list(toks[:end]), num_computed_tokens, end)
+            ask = self._submit(rid, list(toks[:end]), num_computed_tokens, end, salt)
         with ask.lock:
             if not ask.done and time.monotonic() >= ask.deadline:
                 ask.done, ask.abandoned, ask.tokens = True, True, 0
@@ -137,10 +155,15 @@ class SchedulerSide:
         attempt = self._attempts.get(rid, 0)
         self._loads[rid] = LoadOp(session=f"{rid}#load{attempt}",
                                   token_ids=list(request.prompt_token_ids[:end]), start=local,
-                                  end=end, block_ids=ids[local // bs:-(-end // bs)])
+                                  end=end, block_ids=ids[local // bs:-(-end // bs)],
+                                  cache_salt=self._salts.get(rid) or "")
 
     def build_connector_meta(self, scheduler_output) -> LoadBackMeta:
         self._step += 1
+        for rid in scheduler_output.preempted_req_ids or ():
+            # its blocks are gone; it asks again (a new LOOKUP) when it is scheduled again
+            self._drop(rid)
+            self._loads.pop(rid, None)
         meta = LoadBackMeta(loads=self._loads)
         self._loads = {}
         for rid, op in meta.loads.items():
@@ -177,6 +200,7 @@ class SchedulerSide:
         self._tracks.pop(rid, None)
         self._failed.discard(rid)
         self._attempts.pop(rid, None)
+        self._salts.pop(rid, None)
         return False, None
 
     def close(self) -> None:
@@ -191,14 +215,14 @@ class SchedulerSide:
 
     # ------------------------------------------------------------- plumbing
 
-    def _submit(self, rid: str, token_ids: list[int], local: int, end: int) -> Ask:
+    def _submit(self, rid: str, token_ids: list[int], local: int, end: int, salt: str) -> Ask:
         attempt = self._attempts.get(rid, 0) + 1
         self._attempts[rid] = attempt
         cfg = self.orch.config
         budget = cfg.deadlines.lookup_ms / 1000
         if cfg.prepare_at_match and self.orch.connector.transfer == "shm":
             budget += cfg.deadlines.retrieve_s(end - local)  # match prepares the retrieve too
-        ask = Ask(f"{rid}#ask{attempt}", local, end, time.monotonic() + budget)
+        ask = Ask(f"{rid}#ask{attempt}", local, end, time.monotonic() + budget, salt)
         self._asks[rid] = ask
         self._q.put((ask, token_ids))
         return ask
@@ -214,8 +238,8 @@ class SchedulerSide:
                     continue  # answered as a miss before it started: nothing taken
             tokens = 0
             try:
-                tokens = self.orch.match(ask.session, token_ids,
-                                         local_hit_tokens=ask.local).tokens
+                tokens = self.orch.match(ask.session, token_ids, local_hit_tokens=ask.local,
+                                         cache_salt=ask.salt).tokens
             except Exception:  # noqa: BLE001 - never let the thread die; recompute instead
                 log.exception("%s: match failed; recomputing", ask.session)
             with ask.lock:
@@ -256,12 +280,13 @@ class SchedulerSide:
         cap = self.settings.staging_tokens
         for new in so.scheduled_new_reqs:
             toks = new.prompt_token_ids
+            salt = self._salts.get(new.req_id)
             end = min(len(toks) // self.chunk * self.chunk, cap) if toks is not None else 0
-            if end == 0:
+            if end == 0 or salt is None:
                 continue
             tr = self._tracks.get(new.req_id)
             if tr is None:
-                tr = self._tracks[new.req_id] = Track(list(toks[:end]), [])
+                tr = self._tracks[new.req_id] = Track(list(toks[:end]), [], salt)
             tr.blocks = list(new.block_ids[0])
             if not tr.stored:
                 self._maybe_store(new.req_id, tr, new.num_computed_tokens + sched.get(new.req_id, 0),
@@ -288,4 +313,5 @@ class SchedulerSide:
             return
         tr.stored = True
         tr.stores += 1
-        meta.stores[rid] = StoreOp(f"{rid}#store{tr.stores}", tr.token_ids, tr.blocks[:nb])
+        meta.stores[rid] = StoreOp(f"{rid}#store{tr.stores}", tr.token_ids, tr.blocks[:nb],
+                                   tr.salt)

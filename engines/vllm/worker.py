@@ -79,7 +79,8 @@ class WorkerSide:
                         len(op.block_ids))
             return False
         try:
-            got = self.orch.match(op.session, op.token_ids, local_hit_tokens=op.start)
+            got = self.orch.match(op.session, op.token_ids, local_hit_tokens=op.start,
+                                  cache_salt=op.cache_salt)
             if got.tokens != n:
                 log.info("%s: the daemon now holds %d of the %d promised tokens (%s); load "
                          "error, recomputed", op.session, got.tokens, n,
@@ -115,7 +116,8 @@ class WorkerSide:
             return False
         try:
             self.view.from_blocks(op.block_ids, n)
-            ok = self.orch.store(op.session, op.token_ids, self.view.slots(n))
+            ok = self.orch.store(op.session, op.token_ids, self.view.slots(n),
+                                 cache_salt=op.cache_salt)
             self.stores_done += int(ok)
             return ok
         except Exception:  # noqa: BLE001 - a lost store is a future miss, never a crash

@@ -83,8 +83,8 @@ class MiniEngine:
         return all(side.orch.wait_registered(timeout_s)
                    for side in (self.sched.scheduler, self.worker.worker))
 
-    def request(self, rid: str, prompt: list[int]) -> Request:
-        r = Request(rid, list(prompt), SamplingParams(max_tokens=1), None)
+    def request(self, rid: str, prompt: list[int], **kwargs) -> Request:
+        r = Request(rid, list(prompt), SamplingParams(max_tokens=1), None, **kwargs)
         self.requests[rid] = r
         return r
 
@@ -154,6 +154,50 @@ class MiniEngine:
             before_load()
         errors = self.worker_step(meta, lambda: self.forward(rid, computed + ext, n_tok))
         return StepResult({rid: ext}, errors, {rid: blocks})
+
+    def prefill_in_two(self, req: Request, first: int) -> tuple[StepResult, StepResult]:
+        """A miss prefilled in two steps (chunked prefill): `first` tokens, then the rest,
+        the second step as a cached request with its new blocks."""
+        rid = req.request_id
+        assert self.ask(req)[0] == 0
+        n_tok = len(req.prompt_token_ids)
+        head = self.alloc(-(-first // BLOCK))
+        self.req_blocks[rid] = list(head)
+        self.sched.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(b) for b in head],)), 0)
+        so = SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData.from_request(req, (list(head),))],
+            scheduled_cached_reqs=CachedRequestData.make_empty(),
+            num_scheduled_tokens={rid: first}, total_num_scheduled_tokens=first,
+            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+            finished_req_ids=set(), free_encoder_mm_hashes=[])
+        meta1 = self.sched.build_connector_meta(so)
+        r1 = StepResult({rid: 0}, self.worker_step(meta1, lambda: self.forward(rid, 0, first)),
+                        {rid: list(head)})
+        req.num_computed_tokens = first
+        tail = self.alloc(-(-n_tok // BLOCK) - len(head))
+        self.req_blocks[rid] += tail
+        cached = CachedRequestData(
+            req_ids=[rid], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
+            new_block_ids=[(list(tail),)], num_computed_tokens=[first], num_output_tokens=[0])
+        so = SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+            num_scheduled_tokens={rid: n_tok - first}, total_num_scheduled_tokens=n_tok - first,
+            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+            finished_req_ids=set(), free_encoder_mm_hashes=[])
+        meta2 = self.sched.build_connector_meta(so)
+        r2 = StepResult({}, self.worker_step(meta2, lambda: self.forward(rid, first, n_tok)),
+                        {rid: list(self.req_blocks[rid])})
+        req.num_computed_tokens = n_tok
+        return r1, r2
+
+    def preempt(self, req: Request) -> None:
+        """vLLM preempts a running request: its blocks are freed, it waits again from 0."""
+        rid = req.request_id
+        self.free.extend(self.req_blocks.pop(rid, []))
+        req.num_computed_tokens = 0
+        so = SchedulerOutput.make_empty()
+        so.preempted_req_ids = {rid}
+        self.worker_step(self.sched.build_connector_meta(so))
 
     def worker_step(self, meta, forward=None) -> set[int]:
         """The model runner's connector calls for one step; the load errors it reported

@@ -166,3 +166,77 @@ def test_finished_and_aborted_requests_leave_nothing_held(engine, daemon):
     finally:
         daemon.resume()
     wait_until(lambda: released(daemon), what="released after an abandoned LOOKUP")
+
+
+def test_a_grown_local_hit_is_asked_again_and_loads_the_rest(engine, daemon):
+    src, src_blocks = stored(engine)
+    req = engine.request("grown", PROMPT)
+    assert engine.ask(req, 0)[0] == HIT
+    n, _, nones = engine.ask(req, 2 * BLOCK)          # the local hit grew by two blocks
+    assert n == HIT - 2 * BLOCK and nones >= 1        # a new LOOKUP, not the old answer
+    res = engine.prefill(req, computed=2 * BLOCK, ask=(n, 0, 0), from_end=True)
+    assert not res.load_errors
+    dst = res.blocks["grown"]
+    for j in range(2, HIT // BLOCK):                   # only the blocks beyond the local hit
+        for layer in engine.layers:
+            assert torch.equal(layer[src_blocks[j]].view(torch.int16),
+                               layer[dst[j]].view(torch.int16)), j
+    engine.finish(src)
+    engine.finish(req)
+    wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")
+
+
+def test_preempted_request_releases_at_once_and_asks_again(engine, daemon):
+    stored(engine)
+    req = engine.request("preempted", PROMPT)
+    res = engine.prefill(req)
+    assert res.hits == {"preempted": HIT} and not res.load_errors
+    engine.preempt(req)                # within the two steps the LOOKUP would be kept
+    wait_until(lambda: daemon.held()["read_locks"] == 0, what="locks released on preemption")
+    n, _, nones = engine.ask(req, 0)   # back in the waiting queue: a fresh LOOKUP
+    assert n == HIT and nones >= 1
+    res = engine.prefill(req, ask=(n, 0, 0))
+    assert not res.load_errors
+    for pos in (0, 100, HIT - 1):
+        k, v = engine.token_kv("preempted", pos, 0)
+        want = kv_value(PROMPT[pos], pos, 0)
+        assert bool((k == want).all()) and bool((v == -want).all())
+    for rid in list(engine.requests):
+        engine.finish(engine.requests[rid])
+    wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")
+
+
+def test_chunked_prefill_stores_once_the_prompt_is_computed(engine, daemon):
+    req = engine.request("chunked", PROMPT)
+    first, second = engine.prefill_in_two(req, first=96)
+    assert engine.worker.worker.stores_done == 1       # only after the second step
+    dst = engine.request("reader", PROMPT)
+    res = engine.prefill(dst, from_end=True)
+    assert res.hits == {"reader": HIT} and not res.load_errors
+    for j in range(HIT // BLOCK):
+        for layer in engine.layers:
+            assert torch.equal(layer[second.blocks["chunked"][j]].view(torch.int16),
+                               layer[res.blocks["reader"][j]].view(torch.int16)), j
+    engine.finish(req)
+    engine.finish(dst)
+    wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")
+
+
+def test_salted_and_lora_requests_share_nothing(engine, daemon):
+    from vllm.lora.request import LoRARequest
+
+    stored(engine)
+    salted = engine.request("salted", PROMPT, cache_salt="tenant-b")
+    assert engine.ask(salted)[0] == 0                  # another salt: a miss
+    engine.prefill(salted, ask=(0, 0, 0))               # ... stored under its own salt
+    again = engine.request("salted2", PROMPT, cache_salt="tenant-b")
+    assert engine.ask(again)[0] == HIT
+    lora = engine.request("lora", PROMPT, lora_request=LoRARequest("a", 1, "/nonexistent"))
+    n, _, nones = engine.ask(lora)
+    assert n == 0 and nones == 0                       # never asked: its KV is the adapter's
+    stores = engine.worker.worker.stores_done
+    engine.prefill(lora, ask=(0, 0, 0))
+    assert engine.worker.worker.stores_done == stores  # ... and never stored
+    for rid in list(engine.requests):
+        engine.finish(engine.requests[rid])
+    wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")
