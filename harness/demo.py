@@ -1,7 +1,8 @@
-"""`loadback demo` (the README's main job): a real LMCache 0.5.6 daemon, /metrics on
-127.0.0.1, a realistic workload through the orchestrator, the daemon SIGKILLed at 35% and
-a new one started on the same port at 55%, then a summary. About a minute; leaves nothing
-running (the daemon is stopped by PID, the metrics server closed).
+"""`loadback demo` (`make demo-sim`, the simulated-engine demo; `make demo` runs the SGLang
+demo): a real LMCache 0.5.6 daemon, /metrics on 127.0.0.1, a realistic workload through the
+orchestrator, the daemon SIGKILLed at 35% and a new one started on the same port at 55%, then
+a summary. About a minute; leaves nothing running (the daemon is stopped by PID, the metrics
+server closed).
 """
 
 from __future__ import annotations

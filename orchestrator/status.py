@@ -203,9 +203,9 @@ def run(args) -> int:
     """The endpoint is this product's own /metrics server (`metrics.enabled`; TP rank r serves
     on `metrics.port + r`) or SGLang's (`--enable-metrics`, which carries every rank's
     `loadback_*` series through its multiprocess collector). Every field comes from one series
-    (README, "Metrics"); one the endpoint lacks (an older deployment) prints as "n/a". Exit 0
-    once the endpoint was read, 69 (EX_UNAVAILABLE) when it could not be, or when it serves
-    no `loadback_*` series at all."""
+    (docs/operations.md, "Metrics"); one the endpoint lacks (an older deployment) prints as
+    "n/a". Exit 0 once the endpoint was read, 69 (EX_UNAVAILABLE) when it could not be, or
+    when it serves no `loadback_*` series at all."""
     try:
         st = status(args.url, args.timeout_s)
     except StatusUnavailable as exc:

@@ -2,7 +2,7 @@
 
 Each contender (`PAIRS`) times lookup -> prefetch status -> prepare_retrieve -> (decode) ->
 scatter into KV-pool slots -> commit_retrieve -> end_session. Exit code: 1 when a gated
-target (`GATED`) is missed, else 0; P6 is reported, not gated (the README says why).
+target (`GATED`) is missed, else 0; P6 is reported, not gated (docs/benchmarks.md says why).
 """
 
 from __future__ import annotations
