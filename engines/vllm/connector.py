@@ -50,7 +50,13 @@ class LoadBackConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        self.worker.register(kv_caches)
+        group, rank = None, 0
+        if self.settings.tp_size > 1:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            tp = get_tp_group()
+            group, rank = tp.cpu_group, tp.rank_in_group
+        self.worker.register(kv_caches, tp_group=group, rank=rank)
 
     def _meta(self) -> LoadBackMeta | None:
         if not self.has_connector_metadata():

@@ -17,7 +17,9 @@ The worker process loads with its own LOOKUP under its own session (the prefix s
 each process's orchestrator); this side's LOOKUP keeps the chunks read-locked until two steps
 after the load was shipped (by then the worker's own LOOKUP holds them), or until the request
 finished, whichever comes first. Its prefixes therefore end `unused` on this process's series;
-loads and stores are counted by the worker's.
+loads and stores are counted by the worker's. With tensor parallelism this side's LOOKUP locks
+every rank's shard (world size = TP size); each worker rank then runs the core's TP protocol
+(the leader LOOKUPs for the group, each rank retrieves and stores its own shard).
 """
 
 from __future__ import annotations
@@ -86,12 +88,15 @@ class SchedulerSide:
         self.chunk = settings.chunk_size
         self.block_size = settings.block_size
         cfg = settings.config
+        tp = settings.tp_size
         if cfg.metrics.enabled and cfg.metrics.port:
-            # the worker serves metrics.port; this process the next one
+            # worker rank r serves metrics.port + r; this process the next port
             cfg = msgspec.structs.replace(
-                cfg, metrics=msgspec.structs.replace(cfg.metrics, port=cfg.metrics.port + 1))
+                cfg, metrics=msgspec.structs.replace(cfg.metrics, port=cfg.metrics.port + tp))
+        # One LOOKUP per request for every TP rank (worker_id None, world size tp): it
+        # read-locks each rank's shard of the hit chunks.
         self.orch = orchestrator or create_orchestrator(cfg, layout=settings.layout,
-                                                        kv_pool=None)
+                                                        kv_pool=None, kv_rank=0, world_size=tp)
         self._asks: dict[str, Ask] = {}
         self._attempts: dict[str, int] = {}
         self._salts: dict[str, str | None] = {}           # rid -> cache salt, None: not served

@@ -33,6 +33,7 @@ class Settings:
     staging_tokens: int       # the most tokens one load or store moves (whole chunks)
     failure_policy: str       # vLLM's kv_load_failure_policy
     source: str               # where the config came from, for log lines
+    tp_size: int = 1          # vLLM's --tensor-parallel-size: one KV rank per TP rank
 
     @property
     def chunk_size(self) -> int:
@@ -64,12 +65,13 @@ def from_vllm(vllm_config, kv_cache_config) -> Settings:
     ktc = vllm_config.kv_transfer_config
     extra = dict(ktc.kv_connector_extra_config or {})
     par = vllm_config.parallel_config
-    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-    if tp != 1 or pp != 1:
+    tp, pp = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
+    dcp = int(getattr(par, "decode_context_parallel_size", 1) or 1)
+    if pp != 1 or dcp != 1:
         raise ValueError(
-            f"loadback: the vLLM connector supports --tensor-parallel-size 1 and "
-            f"--pipeline-parallel-size 1 only (got {tp} and {pp}); start with both at 1, or "
-            f"{FIX}")
+            f"loadback: the vLLM connector supports --pipeline-parallel-size 1 and "
+            f"--decode-context-parallel-size 1 only (got {pp} and {dcp}); start with both at "
+            f"1 (tensor parallelism is supported), or {FIX}")
     cfg, source = read_config(extra)
     if cfg.mode != "mp":
         raise ValueError(f"loadback: {source}: mode {cfg.mode!r} is not supported by the vLLM "
@@ -80,13 +82,13 @@ def from_vllm(vllm_config, kv_cache_config) -> Settings:
         raise ValueError(
             f"loadback: chunk_size {cfg.chunk_size} ({source}, the daemon's --chunk-size) is "
             f"not a multiple of vLLM's --block-size {block_size}; use a chunk size that is")
-    max_len = int(vllm_config.model_config.max_model_len)
-    staging = int(extra.get(STAGING_KEY) or max_len)
+    staging = int(extra.get(STAGING_KEY) or vllm_config.model_config.max_model_len)
     staging = staging // cfg.chunk_size * cfg.chunk_size
     if staging <= 0:
         raise ValueError(f"loadback: {STAGING_KEY} ({staging}) must hold at least one chunk "
                          f"({cfg.chunk_size} tokens)")
-    return Settings(cfg, layout, block_size, staging, str(ktc.kv_load_failure_policy), source)
+    return Settings(cfg, layout, block_size, staging, str(ktc.kv_load_failure_policy), source,
+                    tp)
 
 
 def layout_of(kv_cache_config, chunk_size: int) -> KVLayout:

@@ -9,6 +9,10 @@ blocks and all of the load's blocks are reported by `get_block_ids_with_load_err
 fails or recomputes the request by its kv_load_failure_policy). Stores copy the request's
 blocks to staging and `store` them bounded by deadlines.store_ms; a store of a request whose
 load failed in the same step is skipped (its blocks are not computed yet).
+
+Tensor parallel: every rank gets the same metadata and runs its loads in the same order, so
+the core's collectives (the leader's LOOKUP shared with all ranks, one load decision) line up;
+a load that fails on any rank fails on all, and every rank reports the same blocks.
 """
 
 from __future__ import annotations
@@ -45,12 +49,16 @@ class WorkerSide:
         return msgspec.structs.replace(cfg, break_even=msgspec.structs.replace(
             cfg.break_even, min_tokens=0, prefill_tokens_per_s=0.0))
 
-    def register(self, kv_caches: dict[str, torch.Tensor], *, orchestrator=None) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor], *, tp_group=None, rank: int = 0,
+                 orchestrator=None) -> None:
+        """`tp_group`/`rank`: vLLM's TP group (its CPU/gloo group) and this worker's rank in
+        it, when --tensor-parallel-size > 1: each rank is a KV rank holding its heads."""
         s = self.settings
         self.view = PagedCPUView(ordered_layers(kv_caches, self.layer_names), s.layout,
                                  s.block_size, s.staging_tokens)
         self.orch = orchestrator or create_orchestrator(
-            self.worker_config(), layout=s.layout, kv_pool=self.view.pool)
+            self.worker_config(), layout=s.layout, kv_pool=self.view.pool,
+            tp_group=tp_group if s.tp_size > 1 else None, kv_rank=rank, world_size=s.tp_size)
         log.info("loadback: vLLM worker registered %d KV layers (%d blocks of %d tokens, "
                  "%d heads x %d, %s), daemon %s, chunk %d, staging %d tokens", s.layout.num_layers,
                  self.view.num_blocks, s.block_size, s.layout.num_heads, s.layout.head_dim,

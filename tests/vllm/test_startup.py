@@ -32,10 +32,10 @@ def test_recompute_policy_logs_no_warning(model_config, yaml_for, caplog):
     assert not [r for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
 
 
-def test_tensor_parallel_is_refused_naming_the_fix(model_config, yaml_for):
+def test_pipeline_parallel_is_refused_naming_the_fix(model_config, yaml_for):
     cfg = vllm_config(model_config, {"loadback.config_file": yaml_for(free_port())})
-    cfg.parallel_config.tensor_parallel_size = 2
-    with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 1"):
         LoadBackConnector(cfg, KVConnectorRole.WORKER, kv_cache_config(64))
 
 
