@@ -218,12 +218,12 @@ class RetrieveCalls:
         may have moved the lookup's locks, the retrieval also owes the free of the pieces
         never asked for, [asked_to, end) (the caller frees none of the range; a load in one
         piece has none left)."""
-        if gpu is not None:
-            gpu.drain()
         s, e = retrieval.asked_to, retrieval.end
         if retrieval.locks_moved and s < e:
             retrieval.owe("free_locks", s, e, lambda t: self.free_locks(
                 token_ids, request_id, s, e, t, cache_salt=cache_salt, shard=retrieval.shard))
+        if gpu is not None:
+            gpu.drain()
 
     def _check_pickle_size(self, tokens: int) -> None:
         """Refuse, before anything is sent, a pickle message the wire cannot carry."""

@@ -1,10 +1,8 @@
-"""A retrieve's obligations as an object (`Retrieval`): settled exactly once whatever happens.
-
-The ledger alone (released twice, paid once; a raising step stays owed), then the real
-`LMCacheMPConnector` over a scripted transport (no daemon, no sleeps): a failure at each
-step of a retrieve, whole or in pieces, leaves exactly the debt the daemon is owed, and
-the lookup's read locks are the caller's to free exactly when no debt covers them.
-"""
+"""A retrieve's obligations as an object (`Retrieval`), paid exactly once whatever happens:
+the ledger alone (released twice, paid once; a raising step stays owed), then the real
+`LMCacheMPConnector` over a scripted transport (no daemon, no sleeps): a failure at each step
+of a retrieve, whole or in pieces, leaves exactly the debt the daemon is owed, and the lookup's
+read locks are the caller's to free exactly when no debt covers them."""
 
 from __future__ import annotations
 
