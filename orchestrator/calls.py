@@ -27,6 +27,7 @@ from .failures import LookupAbandoned, classify
 from .leases import Lease, RequestKey
 from .link import DaemonLink
 from .policies import CircuitBreaker, Clock, run_with_retries
+from .results import LoadResult, MatchResult
 from .states import DegradeReason, PrefixState
 
 log = logging.getLogger("loadback")
@@ -56,6 +57,18 @@ class Prefix:
     @property
     def promised_tokens(self) -> int:
         return max(0, self.hit_tokens - self.local_tokens)
+
+    def match_result(self) -> MatchResult:
+        """What match answers for it: the promise while it is marked, else 0."""
+        marked = self.state == PrefixState.MARKED.value
+        return MatchResult(self.promised_tokens if marked else 0, PrefixState(self.state),
+                           self.reason)
+
+    def load_result(self, elapsed_s: float, ready: object | None = None) -> LoadResult:
+        """What load_back answers for it: every promised token once loaded, else 0."""
+        loaded = self.promised_tokens if self.state == PrefixState.LOADED.value else 0
+        return LoadResult(loaded, PrefixState(self.state), self.reason, elapsed_s,
+                          ready=ready if loaded else None)
 
 
 @dataclass

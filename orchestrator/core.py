@@ -56,7 +56,7 @@ def _owns_release(match):
                 self._release(request_id, reason)
         if reason is None:
             return result
-        return self._match_result(p) if p is not None else MatchResult()
+        return p.match_result() if p is not None else MatchResult()
 
     return owned
 
@@ -117,7 +117,7 @@ class LoadBackOrchestrator:
         with self._lock:
             p = self._live.get(request_id)
             if p is not None:
-                return self._match_result(p)
+                return p.match_result()
         chunk = self.connector.chunk_size
         aligned = len(token_ids) // chunk * chunk
         if aligned - local_hit_tokens < max(1, self.config.break_even.min_tokens):
@@ -147,18 +147,25 @@ class LoadBackOrchestrator:
             if agreed < 0:
                 self._enter(p)
                 self._finish_degraded(p, reason or DegradeReason.TP_PEER_FAILED)
-                return self._match_result(p)
+                return p.match_result()
             return MatchResult()  # a clean miss leaves no machine
         p.hit_tokens = agreed
         self._enter(p)
         self._fire(p, "hit")
         self.calls.free(p, agreed, hit)  # this rank may hold more than the group agreed on
+        self._mark(p, chunk)
+        return p.match_result()
+
+    def _mark(self, p: Prefix, chunk: int) -> None:
+        """A matched prefix: promise it (marked) if loading beats recomputing, releasing
+        the locks of what the engine already has, and prepare its retrieve where that is
+        on; degraded otherwise. Every TP rank joins each decision."""
         # Bandwidth is learned per rank: the break-even verdict is agreed on too.
         if not self.tp.min(int(self.break_even.worth_loading(p.promised_tokens))):
             self._finish_degraded(p, DegradeReason.BELOW_BREAK_EVEN)
-            return self._match_result(p)
+            return
         # Chunks the engine already has are not retrieved: release their locks now.
-        p.retrieve_from = local_hit_tokens // chunk * chunk
+        p.retrieve_from = p.local_tokens // chunk * chunk
         self.calls.free(p, 0, p.retrieve_from)
         self._fire(p, "mark")
         if self.config.prepare_at_match:
@@ -168,7 +175,6 @@ class LoadBackOrchestrator:
                 p, self.config.deadlines.retrieve_s(p.promised_tokens))
             if not self.tp.min(int(ok)):
                 self._finish_degraded(p, why or DegradeReason.TP_PEER_FAILED)
-        return self._match_result(p)
 
     # -------------------------------------------------------------- load_back
 
@@ -197,7 +203,7 @@ class LoadBackOrchestrator:
                 raise SlotsError(
                     f"load_back({request_id!r}): got {len(slots)} KV slots for {n} promised "
                     f"tokens; allocate exactly the tokens that match() returned ({n})")
-            return self._result(p, start)
+            return p.load_result(self.clock() - start)
         self._fire(p, "start_retrieve")
         got, reason, bad = self.calls.retrieve(p, slots, self.config.deadlines.retrieve_s(n),
                                                on_retry=lambda: self._fire(p, "retry"))
@@ -215,7 +221,7 @@ class LoadBackOrchestrator:
             self._finish_degraded(p, reason or DegradeReason.TP_PEER_FAILED)
         if bad is not None:
             raise bad
-        return self._result(p, start, ready=got.ready if ok else None)
+        return p.load_result(self.clock() - start, ready=got.ready if ok else None)
 
     # ------------------------------------------------------------ store/finish
 
@@ -353,16 +359,6 @@ class LoadBackOrchestrator:
                              promised_tokens=p.promised_tokens,
                              loaded_tokens=p.promised_tokens if loaded else 0,
                              loaded_bytes=loaded_bytes)
-
-    @staticmethod
-    def _match_result(p: Prefix) -> MatchResult:
-        marked = p.state == PrefixState.MARKED.value
-        return MatchResult(p.promised_tokens if marked else 0, PrefixState(p.state), p.reason)
-
-    def _result(self, p: Prefix, start: float, ready: object | None = None) -> LoadResult:
-        loaded = p.promised_tokens if p.state == PrefixState.LOADED.value else 0
-        return LoadResult(loaded, PrefixState(p.state), p.reason, self.clock() - start,
-                          ready=ready if loaded else None)
 
     def close(self) -> None:
         """Abort every live prefix, pay what the daemon is owed (bounded), unregister."""
