@@ -24,9 +24,23 @@ from .meta import LoadBackMeta
 log = logging.getLogger("loadback.vllm")
 
 
+def _log_through_vllm() -> None:
+    """The product's `loadback` loggers write through vLLM's own handler (its format, its
+    process prefix) at INFO, unless the application configured them already."""
+    ours = logging.getLogger("loadback")
+    if ours.handlers:
+        return
+    handlers = logging.getLogger("vllm").handlers
+    for h in handlers:
+        ours.addHandler(h)
+    if handlers and ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
+
+
 class LoadBackConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         self.settings = _settings.from_vllm(vllm_config, kv_cache_config)
         self.scheduler = self.worker = None
         self._failed_now: set[str] = set()

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from lmcache_loadback.connectors.ports import free_port
+from lmcache_loadback.connectors.ports import check_port_free, free_port
 from lmcache_loadback.harness.vllm.server import VLLMServer, kv_transfer_config, metric_value
 from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
@@ -21,6 +21,19 @@ PROMPTS = [[5 + (i * k) % 4000 for i in range(600)] for k in (7, 11, 13)]
 HIT = 512   # whole chunks of a 600-token prompt, one token left to compute
 MAX_TOKENS = 8
 RETRIEVE_BASE_MS = 1000
+
+
+def metrics_ports(avoid: set[int]) -> int:
+    """A port p with p (the worker's /metrics) and p + 1 (the scheduler's) both free."""
+    for _ in range(100):
+        p = free_port()
+        try:
+            check_port_free("127.0.0.1", p + 1)
+        except OSError:
+            continue
+        if not {p, p + 1} & avoid:
+            return p
+    raise AssertionError("no two consecutive free ports")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +52,8 @@ def stack(tmp_path_factory, reference):
     d = tmp_path_factory.mktemp("vllm-loadback")
     daemon = DaemonProcess(chunk_size=CHUNK, http=True, log_dir=str(d)).start()
     proxy = FaultProxy(daemon.endpoint).start()
-    metrics_port = free_port()
+    server_port = free_port()
+    metrics_port = metrics_ports({server_port, proxy.port, daemon.port, daemon.http_port})
     yaml = d / "loadback.yaml"
     yaml.write_text(
         f"mp_host: 127.0.0.1\nmp_port: {proxy.port}\nchunk_size: {CHUNK}\n"
@@ -47,7 +61,7 @@ def stack(tmp_path_factory, reference):
         "retrieve_max_ms: 3000}\nheartbeat: {interval_ms: 200}\n"
         "breaker: {cooldown_ms: 200, cooldown_max_ms: 1000}\n"
         f"metrics: {{enabled: true, port: {metrics_port}}}\n")
-    server = VLLMServer(free_port(), str(d / "vllm.log"),
+    server = VLLMServer(server_port, str(d / "vllm.log"),
                         kv_config=kv_transfer_config(str(yaml))).start()
     try:
         yield server, daemon, proxy, metrics_port
