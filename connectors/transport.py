@@ -4,32 +4,7 @@ The transport knows frames, sockets and deadlines; it knows nothing about retrie
 breakers or metrics. Callers read what it counted: `late_replies`, `fences_dropped`,
 `epoch` (the daemon incarnation) and `unanswered()`.
 
-Design choices, each answering one of the daemon's traps:
-- One DEALER per calling thread, never shared: a slow or blocked call in one thread
-  (the scheduler) cannot stall another (the heartbeat), unlike a shared polling loop.
-- `IMMEDIATE=1`: nothing is queued while no connection exists, so requests made while
-  the daemon is down are refused at once (DaemonUnavailable) instead of being delivered
-  to whatever daemon binds the port next.
-- After a timeout the socket is retired, never used for a call again (so a late reply
-  can never reach a later call), and a fence (a harmless request) is sent behind the
-  abandoned one on it. The daemon serves a connection's requests of one place in order
-  (`wire.OP_PLACES`), so the fence's reply proves the abandoned request was served or
-  dropped: until then it counts in `unanswered()` (a served prepare_retrieve or lookup
-  re-creates its request's session, so ending that session must wait). An unanswered
-  fence is sent again, backing off, so a peer that swallowed one answers a later one.
-  Past `MAX_RETIRED` retired sockets the oldest is closed unanswered (`fences_dropped`).
-  Retired sockets of an older daemon incarnation (`epoch`) are closed: what was queued
-  there died with it.
-- `CONNECT_TIMEOUT`, `RECONNECT_IVL(_MAX)`: TCP connects never inherit the OS timeout.
-- A sentinel socket with a ZMQ monitor counts (re)connections: `epoch` increases when a
-  new daemon process accepts us after a disconnect, which is how a restart is noticed.
-  The monitor is attached before the sentinel connects: a first handshake it missed would
-  make the first restart look like the same daemon coming back (epoch unchanged).
-  A disconnect marks the daemon down at once: until the sentinel sees a daemon accept us
-  again, no call is sent (DaemonUnavailable without waiting), not even on a thread's
-  socket that already reconnected on its own timer: what that reached is a daemon
-  `epoch` does not name yet, and whatever a call left there would be owed to the old one.
-  Calls already waiting for a reply that can no longer come end with DaemonTimeout.
+Why each mechanism exists: DESIGN.md, "The transport".
 """
 
 from __future__ import annotations
@@ -194,13 +169,13 @@ class ZmqTransport:
             r.sock.send_multipart([msgspec.msgpack.encode(uid), OP_FRAMES[r.fence[0]],
                                    *r.fence[1]], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:
-            return  # no connection now: a later fence, or the next daemon, settles it
+            return  # no connection now: a later fence, or the next daemon, answers for it
         r.pending[uid] = r.request_id
         r.fences.add(uid)
 
     def _sweep_retired(self, epoch: int) -> None:
         """Read what retired sockets received, fence again where no fence answered for a
-        while, close those settled. Holds _retired_lock."""
+        while, close those answered for. Holds _retired_lock."""
         keep = []
         now = time.monotonic()
         for r in self._retired:

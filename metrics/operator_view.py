@@ -48,10 +48,10 @@ class OperatorView:
         def gauge(name: str, doc: str, mode: str) -> Gauge:
             return Gauge(name, doc, registry=reg, multiprocess_mode=mode)
 
-        # The SGLang hook's worker queues (set where it submits and settles a job). Store:
+        # The SGLang hook's worker queues (set where it submits and finishes a job). Store:
         # livemax, the bound is per rank, so the fullest rank's queue is the one to watch.
         self.lookup_queue = gauge("loadback_lookup_queue_depth", "LOOKUPs handed to the hook's "
-                                  "worker thread and not yet settled (queued or running).",
+                                  "worker thread and not yet finished (queued or running).",
                                   "livesum")
         self.store_queue = gauge("loadback_store_queue_depth", "STOREs queued or running on the "
                                  "hook's store worker; each holds a tree lock on its slots.",
@@ -74,7 +74,7 @@ class OperatorView:
         # Read from the orchestrator at every heartbeat and scrape (`watch`, `refresh`).
         # Epoch: livemin, a rank not registered (-1) shows.
         self.pending_debts = gauge("loadback_owed_releases", "Releases owed to the daemon and "
-                                   "not yet paid (lock frees, settles, commits, session ends).",
+                                   "not yet paid (lock frees, abandoned lookups, commits, session ends).",
                                    "livesum")
         self.fences_dropped = Counter("loadback_fences_dropped_total", "Timed-out sockets closed "
                                       "(over the transport's retired limit) before their fence "

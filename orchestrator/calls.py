@@ -124,8 +124,7 @@ class PrefixCalls:
             raise
         except ConnectorError as exc:
             p.lease.forfeit()
-            # (loadback_releases_failed_total keeps the label "settle_lookup" for it.)
-            self.link.owe("settle_lookup", k.request_id, p.epoch, lambda t: (
+            self.link.owe("abandon_lookup", k.request_id, p.epoch, lambda t: (
                 self.connector.abandon_lookup(k.token_ids, k.request_id, t,
                                               cache_salt=k.cache_salt)),
                 idempotent=True)

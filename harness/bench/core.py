@@ -31,21 +31,29 @@ class NullConnector:
 
     layout = LAYOUT
     chunk_size = LAYOUT.chunk_size
+    endpoint = "null"
+    transfer = transfer_setting = "null"  # no daemon's transfer mode: never asked to prepare
+    writer = True
     epoch = 0
     late_replies = 0
+    fences_dropped = 0
 
     def register(self, t): return None
     def ping(self, t): return True
     def unregister(self, t): return None
+    def get_chunk_size(self, t): return LAYOUT.chunk_size
     def lookup_hit_tokens(self, toks, rid, t, *, cache_salt=""): return len(toks) // 256 * 256
     def free_locks(self, *a, **k): return None
-    def settle_lookup(self, *a, **k): return True
+    def abandon_lookup(self, *a, **k): return True
     def end_session(self, rid, t): return None
     def unanswered(self, request_id=None): return 0
     def close(self): return None
 
+    def prepare(self, *a, **k):
+        raise NotImplementedError("the null connector has no prepare step (transfer 'null')")
+
     def retrieve_into(self, toks, rid, pool, slots, *, start, end, timeout_s, skip=0,
-                      cache_salt=""):
+                      cache_salt="", prepared=None, retrieval=None):
         return Retrieved((end - start) * LAYOUT.bytes_per_token)
 
     def store_from(self, *a, **k): return True

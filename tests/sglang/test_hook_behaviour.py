@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lmcache_loadback.engines.sglang import compat
+from lmcache_loadback.harness.sglang.server import STUBS_DIR
 
 from .conftest import (
     CHUNK,
@@ -145,7 +146,7 @@ def test_sglang_load_plugins_registers_the_backend():
         "import lmcache_loadback.engines.sglang as h\n"
         "assert get_radix_cache_factory('loadback') is h.build_cache, 'not registered'\n"
         "print('registered')\n")
-    stubs = str(Path(__file__).parent / "stubs")  # run from / : no checkout on sys.path
+    stubs = str(STUBS_DIR)  # run from / : no checkout on sys.path
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=240, cwd="/", env={**os.environ, "PYTHONPATH": stubs})
     assert out.returncode == 0 and "registered" in out.stdout, out.stderr[-2000:]
@@ -241,7 +242,7 @@ def test_metrics_reach_sglang_multiprocess_collector(tmp_path):
         "s.admit(r); s.finish(r)\n"
         "cache.close()\n" % str(Path(__file__).parents[2]))
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mp_dir),
-           "PYTHONPATH": str(Path(__file__).parent / "stubs")}
+           "PYTHONPATH": str(STUBS_DIR)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=240, env=env, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]

@@ -136,12 +136,12 @@ def test_a_ready_that_raised_once_then_holds_is_paid():
 
 def test_out_of_tries_is_counted():
     link = _link()
-    d = Debt("settle_lookup", "r1", link.connector.epoch, lambda _t: False, True, None,
+    d = Debt("abandon_lookup", "r1", link.connector.epoch, lambda _t: False, True, None,
              max_tries=2)
     link._queue(d)
     link.pay()
     link.pay()
-    assert link.pending() == 0 and _failed(link, "settle_lookup") == 1
+    assert link.pending() == 0 and _failed(link, "abandon_lookup") == 1
 
 
 def test_the_releaser_pays_within_milliseconds_of_ready_not_a_heartbeat_later():
