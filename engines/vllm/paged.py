@@ -6,9 +6,11 @@ block_size, 2 * head_size]` tensor that its kernel reads as `[num_blocks, num_kv
 (v1/attention/backends/cpu_attn.py). A token's slot is `block_id * block_size + offset`, but its
 heads are not contiguous (head-major inside a block), so no `[slots, heads, head_size]` view of
 the layer exists. `PagedCPUView` therefore gives the core a token-major staging `KVPool` of
-`staging_tokens` slots and moves whole blocks between it and the paged layers: one
-`index_copy_` / `index_select` per layer. Loads and stores are whole blocks (a chunk is a whole
-number of blocks, a local hit is block aligned).
+`staging_tokens` slots per region and moves whole blocks between it and the paged layers: one
+`index_copy_` / `index_select` per layer. Two regions: loads use [0, staging_tokens), stores
+[staging_tokens, 2 * staging_tokens) (a store runs off the forward path while the next step's
+loads stage). Loads and stores are whole blocks (a chunk is a whole number of blocks, a local
+hit is block aligned).
 """
 
 from __future__ import annotations
@@ -46,43 +48,50 @@ class PagedCPUView:
         # [blocks, heads, K|V, block_size, head_size]: the kernel's own reading of the bytes
         self._blocks = [t.view(self.num_blocks, h, 2, bs, d) for t in layers]
         self.staging_tokens = staging_tokens
-        shape = (staging_tokens, h, d)
+        shape = (2 * staging_tokens, h, d)
         self.pool = KVPool([torch.zeros(shape, dtype=layout.dtype) for _ in layers],
                            [torch.zeros(shape, dtype=layout.dtype) for _ in layers])
         check_pool(layout, self.pool)
-        self._slots = torch.arange(staging_tokens, dtype=torch.int64)
+        self._slots = torch.arange(2 * staging_tokens, dtype=torch.int64)
 
-    def slots(self, n: int) -> torch.Tensor:
-        """The staging slots of the first `n` tokens of a load or store."""
-        return self._slots[:n]
+    #: where the store region starts (loads use [0, store_base))
+    @property
+    def store_base(self) -> int:
+        return self.staging_tokens
 
-    def _index(self, block_ids: Sequence[int], tokens: int) -> torch.Tensor:
+    def slots(self, n: int, base: int = 0) -> torch.Tensor:
+        """The staging slots of `n` tokens from `base`."""
+        return self._slots[base:base + n]
+
+    def _index(self, block_ids: Sequence[int], tokens: int, base: int) -> torch.Tensor:
         nb = len(block_ids)
-        if tokens != nb * self.block_size or tokens > self.staging_tokens:
-            raise ValueError(f"{tokens} tokens in {nb} blocks of {self.block_size} "
-                             f"(staging holds {self.staging_tokens})")
+        if tokens != nb * self.block_size or base < 0 or base + tokens > 2 * self.staging_tokens:
+            raise ValueError(f"{tokens} tokens in {nb} blocks of {self.block_size} at staging "
+                             f"slot {base} (staging holds 2 x {self.staging_tokens})")
         idx = torch.tensor(list(block_ids), dtype=torch.int64)
         if nb and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
             raise ValueError(f"block ids {list(block_ids)} outside [0, {self.num_blocks})")
         return idx
 
-    def to_blocks(self, block_ids: Sequence[int], tokens: int) -> None:
-        """Staging slots [0, tokens) -> the blocks `block_ids`, every layer, K and V."""
-        idx = self._index(block_ids, tokens)
+    def to_blocks(self, block_ids: Sequence[int], tokens: int, base: int = 0) -> None:
+        """Staging slots [base, base + tokens) -> the blocks `block_ids`, every layer, K and V."""
+        idx = self._index(block_ids, tokens, base)
         nb, bs, h, d = len(block_ids), self.block_size, self.layout.num_heads, self.layout.head_dim
+        end = base + tokens
         for k, v, dst in zip(self.pool.k_buffer, self.pool.v_buffer, self._blocks):
-            src = torch.stack((k[:tokens].view(nb, bs, h, d).transpose(1, 2),
-                               v[:tokens].view(nb, bs, h, d).transpose(1, 2)), dim=2)
+            src = torch.stack((k[base:end].view(nb, bs, h, d).transpose(1, 2),
+                               v[base:end].view(nb, bs, h, d).transpose(1, 2)), dim=2)
             dst.index_copy_(0, idx, src)
 
-    def from_blocks(self, block_ids: Sequence[int], tokens: int) -> None:
-        """The blocks `block_ids` -> staging slots [0, tokens), every layer, K and V."""
-        idx = self._index(block_ids, tokens)
+    def from_blocks(self, block_ids: Sequence[int], tokens: int, base: int = 0) -> None:
+        """The blocks `block_ids` -> staging slots [base, base + tokens), every layer, K, V."""
+        idx = self._index(block_ids, tokens, base)
         nb, bs, h, d = len(block_ids), self.block_size, self.layout.num_heads, self.layout.head_dim
+        end = base + tokens
         for k, v, src in zip(self.pool.k_buffer, self.pool.v_buffer, self._blocks):
             blk = src.index_select(0, idx)  # [nb, heads, 2, bs, d]
-            k[:tokens].view(nb, bs, h, d).copy_(blk[:, :, 0].transpose(1, 2))
-            v[:tokens].view(nb, bs, h, d).copy_(blk[:, :, 1].transpose(1, 2))
+            k[base:end].view(nb, bs, h, d).copy_(blk[:, :, 0].transpose(1, 2))
+            v[base:end].view(nb, bs, h, d).copy_(blk[:, :, 1].transpose(1, 2))
 
 
 def ordered_layers(kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str]

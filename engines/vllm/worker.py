@@ -6,9 +6,14 @@ own session, keyed by the prompt's first `end` tokens, local hit `start`) then `
 the staging slots within the retrieve deadline, then the staged blocks are copied into vLLM's
 blocks. All or nothing: unless every promised token landed, nothing is copied into vLLM's
 blocks and all of the load's blocks are reported by `get_block_ids_with_load_errors` (vLLM then
-fails or recomputes the request by its kv_load_failure_policy). Stores copy the request's
-blocks to staging and `store` them bounded by deadlines.store_ms; a store of a request whose
-load failed in the same step is skipped (its blocks are not computed yet).
+fails or recomputes the request by its kv_load_failure_policy).
+
+Stores never hold up the forward loop: `wait_for_save` copies the step's stores into the
+staging store region (a memory copy; vLLM may reuse the blocks afterwards) and hands them to one
+store thread, which `store`s each under deadlines.store_ms. While that thread is still busy
+(a slow or hung daemon), the next step's stores are skipped and counted
+(`loadback_stores_skipped_total`): a lost store is a future miss. A store of a request whose
+load failed in the same step is skipped too (its blocks are not computed yet).
 
 Tensor parallel: every rank gets the same metadata and runs its loads in the same order, so
 the core's collectives (the leader's LOOKUP shared with all ranks, one load decision) line up;
@@ -18,6 +23,7 @@ a load that fails on any rank fails on all, and every rank reports the same bloc
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Sequence
 
 import msgspec
@@ -42,6 +48,13 @@ class WorkerSide:
         self.loads_failed = 0
         self.loads_done = 0
         self.stores_done = 0
+        self.stores_skipped = 0
+        self._batch: list[tuple[StoreOp, int]] = []    # stores handed to the thread
+        self._idle = threading.Event()                  # the store thread has nothing to do
+        self._idle.set()
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread: threading.Thread | None = None
 
     def worker_config(self):
         """The scheduler decided whether a hit is worth loading: this side loads any hit."""
@@ -59,6 +72,9 @@ class WorkerSide:
         self.orch = orchestrator or create_orchestrator(
             self.worker_config(), layout=s.layout, kv_pool=self.view.pool,
             tp_group=tp_group if s.tp_size > 1 else None, kv_rank=rank, world_size=s.tp_size)
+        self._thread = threading.Thread(target=self._serve_stores, name="loadback-vllm-store",
+                                        daemon=True)
+        self._thread.start()
         log.info("loadback: vLLM worker registered %d KV layers (%d blocks of %d tokens, "
                  "%d heads x %d, %s), daemon %s, chunk %d, staging %d tokens", s.layout.num_layers,
                  self.view.num_blocks, s.block_size, s.layout.num_heads, s.layout.head_dim,
@@ -114,17 +130,60 @@ class WorkerSide:
     # ----------------------------------------------------------------- stores
 
     def save(self, meta: LoadBackMeta, skip: set[str]) -> None:
-        for rid, op in meta.stores.items():
-            if rid not in skip:
-                self._store(op)
+        """Stage this step's stores and hand them to the store thread; never waits on it."""
+        ops = [op for rid, op in meta.stores.items() if rid not in skip]
+        if not ops or self.orch is None or self.view is None:
+            return
+        if not self._idle.is_set():  # the previous batch is still being stored
+            self._skip(len(ops), "the previous stores are still running")
+            return
+        batch, base = [], self.view.store_base
+        end = base + self.view.staging_tokens
+        for op in ops:
+            n = len(op.token_ids)
+            if base + n > end:
+                self._skip(1, "the staging store region is full this step")
+                continue
+            try:
+                self.view.from_blocks(op.block_ids, n, base)
+            except Exception:  # noqa: BLE001 - a lost store is a future miss, never a crash
+                log.exception("%s: store not staged", op.session)
+                continue
+            batch.append((op, base))
+            base += n
+        if batch:
+            self._idle.clear()
+            self._batch = batch
+            self.orch.metrics.queue_depth("store", len(batch))
+            self._wake.set()
 
-    def _store(self, op: StoreOp) -> bool:
+    def _skip(self, n: int, why: str) -> None:
+        self.stores_skipped += n
+        for _ in range(n):
+            self.orch.metrics.store_skipped()
+        log.debug("%d store(s) skipped: %s", n, why)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until the handed-over stores are done (tests; shutdown)."""
+        return self._idle.wait(timeout_s)
+
+    def _serve_stores(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closing:
+                self._idle.set()
+                return
+            batch, self._batch = self._batch, []
+            for i, (op, base) in enumerate(batch):
+                self._store(op, base)
+                self.orch.metrics.queue_depth("store", len(batch) - i - 1)
+            self._idle.set()
+
+    def _store(self, op: StoreOp, base: int) -> bool:
         n = len(op.token_ids)
-        if self.orch is None or self.view is None:
-            return False
         try:
-            self.view.from_blocks(op.block_ids, n)
-            ok = self.orch.store(op.session, op.token_ids, self.view.slots(n),
+            ok = self.orch.store(op.session, op.token_ids, self.view.slots(n, base),
                                  cache_salt=op.cache_salt)
             self.stores_done += int(ok)
             return ok
@@ -141,5 +200,10 @@ class WorkerSide:
             log.exception("%s: finish failed", session)
 
     def close(self) -> None:
+        if self._thread is not None:
+            self.drain(self.settings.config.deadlines.store_ms / 1000 + 1.0)
+            self._closing = True
+            self._wake.set()
+            self._thread.join(timeout=5)
         if self.orch is not None:
             self.orch.close()

@@ -132,7 +132,7 @@ class MiniEngine:
     # ------------------------------------------------------------- a step
 
     def prefill(self, req: Request, *, computed: int = 0, ask: tuple | None = None,
-                from_end: bool = False, before_load=None) -> StepResult:
+                from_end: bool = False, before_load=None, drain: bool = True) -> StepResult:
         """Schedule `req`'s whole prompt in one step, as vLLM does for a short prompt."""
         rid = req.request_id
         ext = (ask or self.ask(req, computed))[0]
@@ -152,7 +152,8 @@ class MiniEngine:
         meta = self.sched.build_connector_meta(so)
         if before_load is not None:
             before_load()
-        errors = self.worker_step(meta, lambda: self.forward(rid, computed + ext, n_tok))
+        errors = self.worker_step(meta, lambda: self.forward(rid, computed + ext, n_tok),
+                                  drain=drain)
         return StepResult({rid: ext}, errors, {rid: blocks})
 
     def prefill_in_two(self, req: Request, first: int) -> tuple[StepResult, StepResult]:
@@ -199,15 +200,21 @@ class MiniEngine:
         so.preempted_req_ids = {rid}
         self.worker_step(self.sched.build_connector_meta(so))
 
-    def worker_step(self, meta, forward=None) -> set[int]:
+    def worker_step(self, meta, forward=None, *, drain: bool = True) -> set[int]:
         """The model runner's connector calls for one step; the load errors it reported
-        (handed back to the scheduler side, as vLLM's KVConnectorOutput does)."""
+        (handed back to the scheduler side, as vLLM's KVConnectorOutput does). `drain`: wait
+        (bounded) for the step's stores, which run on the connector's store thread."""
         w = self.worker
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
         if forward is not None:
             forward()
+        t0 = time.monotonic()
         w.wait_for_save()
+        self.last_save_s = time.monotonic() - t0
+        if drain:
+            assert w.worker.drain(10.0), "stores still running after 10 s"
+
         w.get_finished(set())
         errors = w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()

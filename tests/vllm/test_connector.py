@@ -240,3 +240,29 @@ def test_salted_and_lora_requests_share_nothing(engine, daemon):
     for rid in list(engine.requests):
         engine.finish(engine.requests[rid])
     wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")
+
+
+def test_a_hung_daemon_never_holds_up_the_forward_loop(engine, daemon):
+    daemon.pause()
+    try:
+        first = engine.request("first", PROMPT)
+        engine.prefill(first, drain=False)
+        assert engine.last_save_s < 0.05              # staged and handed over, not stored
+        second = engine.request("second", PROMPT[:150] + PROMPT[:50])
+        engine.prefill(second, drain=False)           # the first store still hangs
+        assert engine.last_save_s < 0.05
+        assert engine.worker.worker.stores_skipped == 1
+    finally:
+        daemon.resume()
+    assert engine.worker.worker.drain(5.0)            # bounded by deadlines.store_ms
+    k = iter(range(10_000))
+
+    def stored_and_hit() -> bool:
+        r = engine.request(f"later{next(k)}", PROMPT)
+        n = engine.ask(r)[0]
+        engine.prefill(r, ask=(n, 0, 0))
+        return n == HIT
+    wait_until(stored_and_hit, what="stores and hits after SIGCONT")
+    for rid in list(engine.requests):
+        engine.finish(engine.requests[rid])
+    wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")

@@ -133,6 +133,7 @@ def _rank_body(rank, dist_port, yaml, daemon_pid, http_port) -> dict:
                     kernel[blocks[b], 0, 0, off] = val
                     kernel[blocks[b], 0, 1, off] = -val
             worker.wait_for_save()
+            assert worker.worker.drain(10)   # the store thread finished this step's stores
             errors = worker.get_block_ids_with_load_errors()
             worker.clear_connector_metadata()
             every = [None, None]

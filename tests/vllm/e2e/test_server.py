@@ -83,8 +83,12 @@ def loadback(port: int, name: str, **labels) -> float:
 def test_outputs_identical_and_hits_load(stack, reference):
     server, daemon, _, mport = stack
     for prompt, ref in zip(PROMPTS, reference):
+        objects = daemon.held()["objects"]
         out, _ = server.complete(prompt, MAX_TOKENS)   # a miss: computed, then stored
         assert out == ref
+        # stores run off the forward path: the repeat waits until the chunks landed
+        wait_until(lambda: daemon.held()["objects"] >= objects + HIT // CHUNK, 10,
+                   "the prompt's chunks stored")
         before = external_hits(server)
         out, _ = server.complete(prompt, MAX_TOKENS)   # a hit: loaded from the daemon
         assert out == ref
