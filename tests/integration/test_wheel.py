@@ -75,7 +75,7 @@ def test_wheel_ships_the_configs_and_the_console_script(installed):
     for f in ("harness/sglang/model/config.json", "harness/sglang/stubs/vllm/_custom_ops.py",
               "harness/sglang/probe/loadback_sched_probe.py", "harness/bench/results/gpu.json"):
         assert "lmcache_loadback/" + f in names, f
-    (eps,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    (eps,) = [n for n in names if n.endswith(".dist-info/entry_points.txt") and n.count("/") == 1]
     eps_text = zipfile.ZipFile(wheel).read(eps).decode()
     assert "loadback = lmcache_loadback.orchestrator.cli:main" in eps_text
     assert "loadback = lmcache_loadback.engines.sglang:register" in eps_text
