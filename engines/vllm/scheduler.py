@@ -16,8 +16,9 @@ nor stored; vLLM's `cache_salt` goes with every LOOKUP, load and store.
 The worker process loads with its own LOOKUP under its own session (the prefix state lives in
 each process's orchestrator); this side's LOOKUP keeps the chunks read-locked until two steps
 after the load was shipped (by then the worker's own LOOKUP holds them), or until the request
-finished, whichever comes first. Its prefixes therefore end `unused` on this process's series;
-loads and stores are counted by the worker's. With tensor parallelism this side's LOOKUP locks
+finished, whichever comes first. Its prefixes therefore end `unused` on this process's series
+(served only with loadback.scheduler_metrics_port); loads and stores are counted by the
+worker's, on the YAML's metrics port. With tensor parallelism this side's LOOKUP locks
 every rank's shard (world size = TP size); each worker rank then runs the core's TP protocol
 (the leader LOOKUPs for the group, each rank retrieves and stores its own shard).
 """
@@ -33,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from lmcache_loadback.metrics import start_metrics_server
 from lmcache_loadback.orchestrator.factory import create_orchestrator
 
 from .meta import LoadBackMeta, LoadOp, StoreOp
@@ -89,14 +91,20 @@ class SchedulerSide:
         self.block_size = settings.block_size
         cfg = settings.config
         tp = settings.tp_size
-        if cfg.metrics.enabled and cfg.metrics.port:
-            # worker rank r serves metrics.port + r; this process the next port
-            cfg = msgspec.structs.replace(
-                cfg, metrics=msgspec.structs.replace(cfg.metrics, port=cfg.metrics.port + tp))
+        # The worker ranks serve the YAML's metrics (rank r on metrics.port + r): every load
+        # and store is counted there. This process's series are served only on request
+        # (loadback.scheduler_metrics_port): its prefixes end `unused` once their load is
+        # handed to the worker, which a degraded-ratio alert must not read as failures.
+        cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics,
+                                                                           enabled=False))
         # One LOOKUP per request for every TP rank (worker_id None, world size tp): it
         # read-locks each rank's shard of the hit chunks.
         self.orch = orchestrator or create_orchestrator(cfg, layout=settings.layout,
                                                         kv_pool=None, kv_rank=0, world_size=tp)
+        if orchestrator is None and settings.scheduler_metrics_port is not None:
+            server = start_metrics_server(cfg.metrics.host, settings.scheduler_metrics_port,
+                                          registry=self.orch.metrics)
+            self.orch.on_close(server.close)
         self._asks: dict[str, Ask] = {}
         self._attempts: dict[str, int] = {}
         self._salts: dict[str, str | None] = {}           # rid -> cache salt, None: not served

@@ -22,6 +22,7 @@ log = logging.getLogger("loadback.vllm")
 
 CONFIG_KEY = "loadback.config_file"
 STAGING_KEY = "loadback.staging_tokens"
+SCHED_METRICS_KEY = "loadback.scheduler_metrics_port"
 FIX = "start vLLM without --kv-transfer-config (or with another kv_connector)"
 
 
@@ -34,6 +35,8 @@ class Settings:
     failure_policy: str       # vLLM's kv_load_failure_policy
     source: str               # where the config came from, for log lines
     tp_size: int = 1          # vLLM's --tensor-parallel-size: one KV rank per TP rank
+    #: where the scheduler process serves its own loadback_* series (None: not served)
+    scheduler_metrics_port: int | None = None
 
     @property
     def chunk_size(self) -> int:
@@ -87,8 +90,9 @@ def from_vllm(vllm_config, kv_cache_config) -> Settings:
     if staging <= 0:
         raise ValueError(f"loadback: {STAGING_KEY} ({staging}) must hold at least one chunk "
                          f"({cfg.chunk_size} tokens)")
+    sched_port = extra.get(SCHED_METRICS_KEY)
     return Settings(cfg, layout, block_size, staging, str(ktc.kv_load_failure_policy), source,
-                    tp)
+                    tp, None if sched_port in (None, "") else int(sched_port))
 
 
 def layout_of(kv_cache_config, chunk_size: int) -> KVLayout:

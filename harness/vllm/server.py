@@ -34,12 +34,14 @@ ENV = {
 }
 
 
-def kv_transfer_config(config_file: str, *, policy: str = "recompute") -> dict:
-    """--kv-transfer-config for this product's connector."""
+def kv_transfer_config(config_file: str, *, policy: str = "recompute", **extra) -> dict:
+    """--kv-transfer-config for this product's connector; `extra`: more extra-config keys
+    (`scheduler_metrics_port=9465` gives "loadback.scheduler_metrics_port": 9465)."""
+    keys = {"loadback.config_file": config_file, **{f"loadback.{k}": v for k, v in extra.items()}}
     return {"kv_connector": "LoadBackConnector",
             "kv_connector_module_path": "lmcache_loadback.engines.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": policy,
-            "kv_connector_extra_config": {"loadback.config_file": config_file}}
+            "kv_connector_extra_config": keys}
 
 
 @dataclass

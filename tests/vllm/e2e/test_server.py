@@ -24,7 +24,8 @@ RETRIEVE_BASE_MS = 1000
 
 
 def metrics_ports(avoid: set[int]) -> int:
-    """A port p with p (the worker's /metrics) and p + 1 (the scheduler's) both free."""
+    """A port p with p (the worker's /metrics) and p + 1 (the scheduler's, asked for with
+    loadback.scheduler_metrics_port) both free."""
     for _ in range(100):
         p = free_port()
         try:
@@ -62,7 +63,8 @@ def stack(tmp_path_factory, reference):
         "breaker: {cooldown_ms: 200, cooldown_max_ms: 1000}\n"
         f"metrics: {{enabled: true, port: {metrics_port}}}\n")
     server = VLLMServer(server_port, str(d / "vllm.log"),
-                        kv_config=kv_transfer_config(str(yaml))).start()
+                        kv_config=kv_transfer_config(
+                            str(yaml), scheduler_metrics_port=metrics_port + 1)).start()
     try:
         yield server, daemon, proxy, metrics_port
     finally:
