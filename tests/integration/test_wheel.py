@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -42,8 +43,18 @@ def installed(tmp_path_factory):
                         str(wheels)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     (wheel,) = wheels.glob("lmcache_loadback-*.whl")
-    r = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
-                       capture_output=True, text=True, timeout=300)
+    # A fresh venv outside the checkout; its dependencies (torch, lmcache, ...) come from this
+    # venv's site-packages through a .pth line (whose own .pth files, among them the
+    # checkout's editable finder, are not processed), the product only from the wheel.
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    (site,) = venv.glob("lib/python*/site-packages")
+    (site / "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # ... and the daemon's console script, as installing lmcache there would provide it.
+    (venv / "bin" / "lmcache").symlink_to(Path(sys.executable).with_name("lmcache"))
+    r = subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps",
+                        str(wheel)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     run_dir = base / "elsewhere"
     run_dir.mkdir()
@@ -51,11 +62,13 @@ def installed(tmp_path_factory):
 
 
 def _loadback(installed, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The installed console script, from a directory that is not the checkout."""
     _, site, run_dir = installed
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=str(site), **QUIET_TELEMETRY)
-    return subprocess.run([sys.executable, "-m", "lmcache_loadback.orchestrator.cli", *args], cwd=run_dir,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    env.update(QUIET_TELEMETRY)
+    script = site.parents[2] / "bin" / "loadback"
+    return subprocess.run([str(script), *args], cwd=run_dir, env=env, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def test_wheel_ships_the_configs_and_the_console_script(installed):
@@ -92,9 +105,9 @@ def test_product_runs_from_the_wheel_not_the_checkout(installed):
             "lmcache_loadback.orchestrator.resources as res; "
             "print(o.__file__, c.__file__, m.__file__, e.__file__, s.TINY_MODEL_DIR, "
             "res.configs_dir())")
-    env = dict(os.environ, PYTHONPATH=str(site))
-    out = subprocess.run([sys.executable, "-c", code], cwd=installed[2], env=env,
-                         capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([str(site.parents[2] / "bin" / "python"), "-c", code],
+                         cwd=installed[2], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     paths = out.stdout.split()
     assert all(p.startswith(str(site)) for p in paths), paths
