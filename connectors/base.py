@@ -49,6 +49,9 @@ class Prepared:
     retrieval: Retrieval
     #: The transfer mode it was prepared in ("shm" or "pickle").
     transfer: str
+    #: Chunks per piece still to ask for, after `chunks` (a range prepared in part: its
+    #: first piece at match, the rest asked for by the load while that piece copies).
+    rest: tuple = ()
 
     @property
     def epoch(self) -> int:

@@ -99,6 +99,16 @@ class LMCacheMPConnector(LookupCalls, RetrieveCalls, StoreCalls, SegmentMapping)
         self._map_lock = threading.Lock()  # one swap of _shm / _gpu at a time (readers: none)
         #: Tests only: n_chunks -> chunks per piece, pipelining any load (CPU pools too).
         self.force_pieces: Callable[[int], list[int]] | None = None
+        #: A pipelined GPU load pays each piece's commit once its copy completed (`bench gpu`
+        #: turns it off to compare with paying them all after the load).
+        self.commit_behind = True
+        #: On a GPU with shared memory, prepare at match only the first piece of `piece_plan`
+        #: and let the load ask for the rest while it copies. Off by default: measured on the
+        #: H200 (docs/benchmarks.md) it moves the round trips from match into the load and
+        #: the commits without shortening the whole path.
+        self.prepare_in_pieces = False
+        #: Tests only: n_chunks -> pieces of a prepare (its first at match, the rest in the load).
+        self.force_prepare_pieces: Callable[[int], list[int]] | None = None
 
     @property
     def chunk_size(self) -> int:

@@ -16,7 +16,7 @@ from .base import Prepared, Retrieved
 from .errors import DaemonRejected, DaemonUnavailable, ProtocolError, ShortRead, SlotsError
 from .gpu_transfer import on_cuda
 from .kv_layout import KVPool, check_slots, scatter_skipping
-from .retrieval import Retrieval
+from .retrieval import CommitBehind, Retrieval
 from .safe_decode import load_tensor_list
 
 #: One msgpack bin holds < 4 GiB: a pickled reply or store must stay under it (with framing).
@@ -41,10 +41,26 @@ class RetrieveCalls:
         """
         r = self._retrieval_for(start, end, retrieval)
         self._check_pickle_size(end - start)
-        key = self.key(token_ids, request_id, start=start, end=end, cache_salt=cache_salt)
-        chunks = self._prepare_range(key, (end - start) // self.chunk_size, timeout_s, r)
+        first, *rest = self._prepare_plan(end - start)
+        upto = start + first * self.chunk_size
+        if rest:  # the load asks for the rest: until it does, their locks are r's to free
+            r.owe_rest(lambda s, e, t: self.free_locks(token_ids, request_id, s, e, t,
+                                                       cache_salt=cache_salt, shard=r.shard))
+        key = self.key(token_ids, request_id, start=start, end=upto, cache_salt=cache_salt)
+        chunks = self._prepare_range(key, first, timeout_s, r)
         return Prepared(start=start, end=end, chunks=chunks, retrieval=r,
-                        transfer=self.transfer)
+                        transfer=self.transfer, rest=tuple(rest))
+
+    def _prepare_plan(self, tokens: int) -> list[int]:
+        """Pieces of a range prepared at match: with `prepare_in_pieces` on a GPU with shared
+        memory the first piece of `piece_plan` (the load asks for the rest while it copies
+        that one), else all."""
+        n_chunks = tokens // self.chunk_size
+        if self.force_prepare_pieces is not None:
+            return self.force_prepare_pieces(n_chunks)
+        if self.prepare_in_pieces and self._gpu is not None and self.transfer == "shm":
+            return self.piece_plan(n_chunks)
+        return [n_chunks]
 
     def _retrieval_for(self, start: int, end: int, retrieval: Retrieval | None) -> Retrieval:
         """The caller's retrieval of exactly [start, end), or a new one on this epoch."""
@@ -124,8 +140,15 @@ class RetrieveCalls:
             if prepared.epoch != self.epoch:  # r owes the old incarnation: dropped, counted
                 raise DaemonUnavailable("the daemon restarted after prepare_retrieve: its "
                                         "locks and buffers are gone")
-            ready = self._land(pool, prepared.chunks, slots, skip, prepared.transfer,
-                               check=lambda: self._check_slots(pool, slots, skip))
+            check = lambda: self._check_slots(pool, slots, skip)  # noqa: E731
+            if prepared.rest:  # prepared in part: the rest in pieces behind its copy
+                ready = self._retrieve_pieces(
+                    token_ids, request_id, pool, slots, timeout_s, skip, cache_salt,
+                    [len(prepared.chunks), *prepared.rest], r, first=prepared.chunks,
+                    check=check)
+            else:
+                ready = self._land(pool, prepared.chunks, slots, skip, prepared.transfer,
+                                   check=check)
             return Retrieved(nbytes=nbytes, commit=r.release, ready=ready)
         self._check_pickle_size(end - start)
         ready = self._retrieve_pieces(token_ids, request_id, pool, slots, timeout_s, skip,
@@ -171,10 +194,13 @@ class RetrieveCalls:
     def piece_plan(n_chunks: int) -> list[int]:
         """Chunks per prepare_retrieve of a pipelined load: 4, 8, 16, then 32 at a time.
 
-        A prepare_retrieve costs a fixed round trip plus a share that grows with the prefix
-        (the daemon hashes the whole prefix chain for every piece): up to 16 chunks the
-        copies cannot hide the extra round trips, so no pipelining; past it, growing pieces
-        (`loadback bench gpu` measures the trade-off; README, "The GPU data path").
+        Every call (prepare_retrieve, commit_retrieve) costs a round trip plus a share that
+        grows with the prefix: its key carries the token ids up to the piece's end, which
+        both ends encode and the daemon copies into the request's session (the session keeps
+        the chunk hashes, so a piece hashes only its own chunks). Up to 16 chunks the copies
+        cannot hide the extra round trips, so no pipelining; past it, growing pieces
+        (`loadback bench gpu` measures it, with the daemon's cost per operation; "The GPU
+        data path" in docs/gpu.md).
         """
         if n_chunks <= 16:
             return [n_chunks]
@@ -189,22 +215,34 @@ class RetrieveCalls:
         return plan
 
     def _retrieve_pieces(self, token_ids, request_id, pool, slots, timeout_s, skip,
-                         cache_salt, plan, retrieval: Retrieval):
-        """One prepare_retrieve per piece of `plan` (one piece: the whole range), each piece
-        copied while the next round trip is in flight; returns the last copy's `ready`."""
+                         cache_salt, plan, retrieval: Retrieval, first=None, check=None):
+        """One prepare_retrieve per piece of `plan` (one piece: the whole range; `first`:
+        the first piece's chunks, prepared already), each piece copied while the next round
+        trip is in flight, and on a GPU each piece's commit paid once its copy completed
+        (`CommitBehind`); returns the last copy's `ready`. `check` runs before the first
+        piece's scatter."""
         deadline = time.monotonic() + timeout_s
         c = self.chunk_size
         ready, s, row = None, retrieval.start, 0
         gpu = self._gpu_for(pool) if on_cuda(pool) else None
+        behind = CommitBehind(retrieval) if gpu is not None and self.commit_behind else None
         try:
             for i, cnt in enumerate(plan):
                 e = s + cnt * c
-                first = skip if i == 0 else 0
-                rows = e - s - first
-                key = self.key(token_ids, request_id, start=s, end=e, cache_salt=cache_salt)
-                chunks = self._prepare_range(key, cnt, max(0.0, deadline - time.monotonic()),
-                                             retrieval)
-                ready = self._land(pool, chunks, slots[row:row + rows], first, self.transfer)
+                lead = skip if i == 0 else 0
+                rows = e - s - lead
+                if i == 0 and first is not None:
+                    chunks = first
+                else:
+                    key = self.key(token_ids, request_id, start=s, end=e, cache_salt=cache_salt)
+                    left = max(0.0, deadline - time.monotonic())
+                    chunks = self._prepare_range(key, cnt, left, retrieval)
+                    if behind is not None:
+                        behind.pay_landed(max(0.0, deadline - time.monotonic()))
+                ready = self._land(pool, chunks, slots[row:row + rows], lead, self.transfer,
+                                   check=check if i == 0 else None)
+                if behind is not None:
+                    behind.landed(e, ready)
                 del chunks
                 s, row = e, row + rows
         except BaseException:
@@ -219,7 +257,7 @@ class RetrieveCalls:
         never asked for, [asked_to, end) (the caller frees none of the range; a load in one
         piece has none left)."""
         s, e = retrieval.asked_to, retrieval.end
-        if retrieval.locks_moved and s < e:
+        if retrieval.locks_moved and s < e and not retrieval.rest_owed:
             retrieval.owe("free_locks", s, e, lambda t: self.free_locks(
                 token_ids, request_id, s, e, t, cache_salt=cache_salt, shard=retrieval.shard))
         if gpu is not None:

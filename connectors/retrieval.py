@@ -53,6 +53,8 @@ class Retrieval:
         #: [start, asked_to) was asked for in prepare_retrieve calls the daemon may serve.
         self.asked_to = start
         self._owed: list[Owed] = []
+        #: The free of [asked_to, end) at release, whatever asked_to is by then (`owe_rest`).
+        self._rest: Callable[[int, int, float], object] | None = None
         #: What was paid, in order (tests and debugging read it).
         self.paid: list[Owed] = []
         self._handed_over = False
@@ -76,6 +78,19 @@ class Retrieval:
         self._open()
         self._owed.append(Owed(what, start, end, pay))
 
+    def owe_rest(self, pay: Callable[[int, int, float], object]) -> None:
+        """Once any of the range was asked for (`locks_moved`), the lookup's locks on what
+        was not are this retrieval's to free: `pay(asked_to, end, timeout_s)` at release,
+        for whatever is still not asked for then (a load that goes on asking in pieces
+        leaves less, or nothing). A range prepared in part at match owes it from the start."""
+        self._open()
+        self._rest = pay
+
+    @property
+    def rest_owed(self) -> bool:
+        """`owe_rest` was recorded (it covers any free of what is never asked for)."""
+        return self._rest is not None
+
     def _open(self) -> None:
         if self._handed_over:
             raise RuntimeError("retrieval already handed over: nothing more may be owed")
@@ -91,11 +106,17 @@ class Retrieval:
     def owed(self) -> list[Owed]:
         """What is owed and not yet paid, in the order it will be paid."""
         with self._lock:
-            return list(self._owed)
+            rest = [Owed("free_locks", self.asked_to, self.end, self._pay_rest)] \
+                if self._rest_due else []
+            return list(self._owed) + rest
 
     @property
     def owes(self) -> bool:
-        return bool(self._owed)
+        return bool(self._owed) or self._rest_due
+
+    @property
+    def _rest_due(self) -> bool:
+        return self._rest is not None and self.start < self.asked_to < self.end
 
     def hand_over(self) -> bool:
         """True the first time it is asked while something is owed (the caller queues
@@ -112,8 +133,59 @@ class Retrieval:
                 step = self._owed[0]
                 step.pay(max(0.0, deadline - time.monotonic()))
                 self.paid.append(self._owed.pop(0))
+            if self._rest_due:
+                step = Owed("free_locks", self.asked_to, self.end, self._pay_rest)
+                step.pay(max(0.0, deadline - time.monotonic()))
+                self.paid.append(step)
+            self._rest = None
         return True
+
+    def _pay_rest(self, timeout_s: float) -> object:
+        return self._rest(self.asked_to, self.end, timeout_s)
+
+    def pay_commits(self, upto: int, timeout_s: float) -> int:
+        """Pay, now, the commits at the head of what is owed that end by `upto` (pieces
+        whose copy completed): a pipelined load releases them behind its copy. Returns how
+        many were paid; one that raises stays owed (the caller's release tries it again)."""
+        deadline, n = time.monotonic() + timeout_s, 0
+        with self._lock:
+            while self._owed and self._owed[0].what == "commit_retrieve" \
+                    and self._owed[0].end <= upto:
+                self._owed[0].pay(max(0.0, deadline - time.monotonic()))
+                self.paid.append(self._owed.pop(0))
+                n += 1
+        return n
 
     def __repr__(self) -> str:
         return (f"Retrieval([{self.start}, {self.end}), epoch {self.epoch}, asked to "
                 f"{self.asked_to}, owed {self._owed}, paid {self.paid})")
+
+
+class CommitBehind:
+    """A pipelined load's commits, paid behind its copy: each piece's commit_retrieve once
+    that piece's copy completed (its `ready` event answers `query()` True), while later
+    pieces are asked for and copied. Never waits; what is left (the last pieces, or all
+    after a commit that raised) the caller's release pays, as before."""
+
+    def __init__(self, retrieval: Retrieval) -> None:
+        self.retrieval = retrieval
+        self._landed: list[tuple[int, object]] = []  # (piece end, its ready event)
+        self.failed = False
+
+    def landed(self, end: int, ready) -> None:
+        """The copy of the piece ending at token `end` is queued; `ready` completes after."""
+        if ready is not None:
+            self._landed.append((end, ready))
+
+    def pay_landed(self, timeout_s: float) -> int:
+        """Pay the commits of the pieces whose copy completed; how many were paid."""
+        done_to = None
+        while self._landed and self._landed[0][1].query():
+            done_to = self._landed.pop(0)[0]
+        if done_to is None or self.failed:
+            return 0
+        try:
+            return self.retrieval.pay_commits(done_to, timeout_s)
+        except Exception:  # noqa: BLE001 - stays owed; the release pays it off the path
+            self.failed = True
+            return 0

@@ -242,8 +242,8 @@ def _add_sglang_demo(sub) -> None:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator), "
                        "gpu (CUDA KV pool)",
-                       description="Exits 1 when a target is missed or a contender dropped; "
-                       "bench gpu exits 69 on a host without CUDA.")
+                       description="Exits 1 when a target is missed or a contender dropped, "
+                       "and bench gpu on a host without CUDA.")
     p.add_argument("suite", choices=["client", "core", "gpu"],
                    help="client: the wire client against LMCache's; core: the orchestrator's "
                    "own cost and deadline keeping; gpu: load-back into a CUDA KV pool")

@@ -16,18 +16,18 @@ EXIT_UNREADABLE = 3
 #: bad usage (EX_USAGE): unknown command or flag, a bad flag value, an unknown scenario,
 #: `configs export` onto existing files without --force, a model config with no KV layout
 EXIT_USAGE = 64
-#: something the command needs is not there (EX_UNAVAILABLE): no CUDA device (bench gpu), the
-#: daemon unreachable (tune), no Python with sglang 0.5.23 (sglang-demo), the /metrics
-#: endpoint unreadable or without loadback_* series (status)
+#: something the command needs is not there (EX_UNAVAILABLE): the daemon unreachable (tune),
+#: no Python with sglang 0.5.23 (sglang-demo), the /metrics endpoint unreadable or without
+#: loadback_* series (status)
 EXIT_UNAVAILABLE = 69
 
 EPILOG = f"""exit codes:
   {EXIT_OK}   ok
   {EXIT_FAILED}   a check failed: invariant violated (chaos, demo, sglang-demo), benchmark
-      target missed or contender dropped (bench), nothing measured (tune)
+      target missed, contender dropped or no CUDA device (bench), nothing measured (tune)
   {EXIT_INVALID}   config validate|show: invalid config (one line: file, key, fix)
   {EXIT_UNREADABLE}   config validate|show: unreadable config file
   {EXIT_USAGE}  bad usage: unknown command or flag, bad value, unknown scenario, configs export
       onto existing files without --force, a model config without a KV layout (tune)
-  {EXIT_UNAVAILABLE}  a needed resource is missing: no CUDA device (bench gpu), daemon unreachable
-      (tune), no Python with sglang 0.5.23 (sglang-demo), /metrics unreadable (status)"""
+  {EXIT_UNAVAILABLE}  a needed resource is missing: daemon unreachable (tune), no Python with
+      sglang 0.5.23 (sglang-demo), /metrics unreadable (status)"""

@@ -1,7 +1,8 @@
 """`loadback bench gpu`: load-back into a CUDA KV pool, ours against the copy limit and LMCache.
 
 Exit codes (`orchestrator.exit_codes`): 0 every contender ran and every target was met; 1 a
-contender was dropped (each named with why) or a target missed (`TARGETS`); 69 no CUDA device.
+contender was dropped (each named with why), a target missed (`TARGETS`) or no CUDA device
+(a GPU benchmark that could not run has failed).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 import torch  # noqa: E402
 
 from lmcache_loadback.connectors.kv_layout import KVPool  # noqa: E402
-from lmcache_loadback.orchestrator.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE  # noqa: E402
+from lmcache_loadback.orchestrator.exit_codes import EXIT_FAILED, EXIT_OK  # noqa: E402
 from lmcache_loadback.testing.daemon import DaemonProcess  # noqa: E402
 
 from .common import fmt, median, write_json  # noqa: E402
@@ -37,7 +38,8 @@ from .gpu_contenders import (  # noqa: E402
     prove,
     request_ids,
 )
-from .gpu_report import TARGETS, report, size_row  # noqa: E402
+from .gpu_daemon_ops import daemon_ops  # noqa: E402
+from .gpu_report import TARGETS, report, size_row, whole_path  # noqa: E402
 
 __all__ = ["CHUNK", "LAYOUT", "MODEL", "NO_CUDA", "PICKLE_MAX_TOKENS", "SIZES", "SKIP", "T",
            "TARGETS", "Copy", "LMCache", "Ours", "drop", "run", "run_sizes", "verdict"]
@@ -46,6 +48,8 @@ SIZES = (1024, 4096, 16384, 65536)
 #: Timed samples per size after WARMUP; the pickle path is slow at 64k, so fewer there.
 SAMPLES = {1024: 40, 4096: 25, 16384: 8, 65536: 4}
 PICKLE_SAMPLES = {1024: 3, 4096: 2, 16384: 1, 65536: 0}  # seconds each; its proof warms it
+#: LMCache's daemon's L1, in prefixes of the largest size (it stores two: page 1, page 256).
+LMCACHE_L1_PREFIXES = 6
 WARMUP = 2
 #: One msgpack bin carries < 4 GiB: a pickle reply (or store) of more tokens cannot be sent,
 #: so ours-pickle runs only at sizes below that (16k of this layout); shm has no such limit.
@@ -78,7 +82,9 @@ def _counts(n: int, cap: int) -> dict[str, int]:
     return {"ours-pickle": slow, "default": base}
 
 
-def _bench_size(n, contenders, toks, dst, perm, cap) -> dict[str, list[float]]:
+def _bench_size(n, contenders, toks, dst, perm, cap, dropped) -> dict[str, list[float]]:
+    """Timed samples at n tokens, contenders alternating; an LMCache one that fails while
+    timed is dropped (named in `dropped`), ours raise."""
     slots = perm[:n].clone()
     slots_for = {k: (c.own_slots[:n] if getattr(c, "own_slots", None) is not None else slots)
                  for k, c in contenders.items()}
@@ -89,13 +95,22 @@ def _bench_size(n, contenders, toks, dst, perm, cap) -> dict[str, list[float]]:
     for i in range(rounds):
         order = names[i % len(names):] + names[:i % len(names)]
         for k in order:
+            if k not in contenders:
+                continue
             want = counts.get(k, counts["default"])
             if k == "ours-pickle" and (n > PICKLE_MAX_TOKENS or i >= want):
                 continue
             if i >= WARMUP + want:
                 continue
             rid = f"b{n}-{k}-{i}-{next(request_ids)}"
-            dt = contenders[k].run(toks[:n], rid, dst, slots_for[k], n)
+            try:
+                dt = contenders[k].run(toks[:n], rid, dst, slots_for[k], n)
+            except Exception as exc:
+                if not k.startswith("lmcache"):
+                    raise
+                drop(dropped, k, exc, f"timing at {n} tokens: ")
+                del contenders[k]
+                continue
             if i >= WARMUP or k == "ours-pickle":
                 times[k].append(dt)
     return times
@@ -119,6 +134,7 @@ class _Bench:
     store_s: dict = field(default_factory=dict)
     dropped: dict = field(default_factory=dict)
     proofs: dict = field(default_factory=dict)
+    restored: dict = field(default_factory=dict)
 
 
 def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 0,
@@ -126,8 +142,9 @@ def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 
     """The whole benchmark at `sizes` on `dev` (a CPU `dev` runs ours and copy only: a smoke
     test of this harness, no figures).
 
-    KV of a Llama-8B-like model (128 KiB per token, chunk 256) into random slots; two real
-    daemons, one with `--shm-name` (and `--no-l1-use-lazy`), one without (pickle).
+    KV of a Llama-8B-like model (128 KiB per token, chunk 256) into random slots; real
+    daemons: ours with `--shm-name` (and `--no-l1-use-lazy`), ours without (pickle), and
+    LMCache's own (L1 for LMCACHE_L1_PREFIXES prefixes of the largest size).
     Contenders, timed per sample from after the lookup until the bytes are in the slots:
     ours-shm (prepare_retrieve at match, then retrieve_into(prepared=) through the
     page-locked segment, `ready` waited; the match phase is timed apart), ours-shm-cold (the
@@ -141,35 +158,52 @@ def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 
     t_start = time.monotonic()
     top = max(sizes)
     prefix_gb = top * LAYOUT.bytes_per_token / 2**30
-    l1_gb = round(max(1.0, prefix_gb * 1.25 + 0.5), 1)
-    shm_gb = round(max(1.0, prefix_gb * 5 + 1), 1) if lmcache else l1_gb  # + LMCache's two
+    shm_gb = round(max(1.0, prefix_gb * 2 + 1), 1)
     d_shm = DaemonProcess(chunk_size=CHUNK, l1_size_gb=shm_gb, shm_name=f"lbg{os.getpid()}")
     ptop = max(n for n in sizes if n <= PICKLE_MAX_TOKENS)
     l1_gb = round(max(1.0, ptop * LAYOUT.bytes_per_token / 2**30 * 1.25 + 0.5), 1)
     d_pickle = DaemonProcess(chunk_size=CHUNK, l1_size_gb=l1_gb)
+    # LMCache's own daemon: its two prefixes (page 1, page 256) with room to spare, so
+    # neither is evicted at the largest size (a shared 41 GB L1 kept 54784 of 65536 tokens)
+    daemons = [d_shm, d_pickle]
+    lmc_gb = round(max(2.0, prefix_gb * LMCACHE_L1_PREFIXES + 2), 1)
+    if lmcache and dev.type == "cuda":
+        daemons.append(DaemonProcess(chunk_size=CHUNK, l1_size_gb=lmc_gb))
     closers, result = [], {}
     try:
-        with ThreadPoolExecutor(2) as ex:
-            for f in [ex.submit(d.start, 180.0) for d in (d_shm, d_pickle)]:
+        with ThreadPoolExecutor(len(daemons)) as ex:
+            for f in [ex.submit(d.start, 180.0) for d in daemons]:
                 f.result()
-        print(f"daemons up in {time.monotonic() - t_start:.1f} s (L1 {shm_gb} / {l1_gb} GB)",
-              flush=True)
+        print(f"daemons up in {time.monotonic() - t_start:.1f} s (L1 ours {shm_gb} / pickle "
+              f"{l1_gb} / LMCache {lmc_gb if len(daemons) > 2 else '-'} GB)", flush=True)
         b = _data(sizes, dev, ptop)
         _add_ours(b, d_shm, d_pickle, closers)
         b.contenders["copy"] = Copy(top * LAYOUT.bytes_per_token, dev)
-        if lmcache and dev.type == "cuda":
-            _add_lmcache(b, d_shm, closers)
+        if len(daemons) > 2:
+            _add_lmcache(b, daemons[2], closers)
         result = _measure(b, sizes, samples, partial)
+        result["daemon_ops"] = _daemon_ops(b, sizes)
+        if partial is not None:  # the whole report, before the (slow) shutdown
+            partial({**result, "wall_s": time.monotonic() - t_start})
     finally:
         for close in reversed(closers):
             try:
                 close()
             except Exception:  # noqa: BLE001 - best effort; the daemons stop next
                 pass
-        for d in (d_shm, d_pickle):
+        for d in daemons:
             d.stop()
     result["wall_s"] = time.monotonic() - t_start
     return result
+
+
+def _daemon_ops(b: _Bench, sizes) -> list[dict] | str:
+    """Where the daemon's time goes per request and prefix length (`gpu_daemon_ops`)."""
+    try:
+        return daemon_ops(b.contenders["ours-shm"].conn, b.toks, sizes, T, request_ids)
+    except Exception as exc:  # noqa: BLE001 - the account is extra: the figures stand
+        print(f"daemon ops: {type(exc).__name__}: {exc}", flush=True)
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _data(sizes, dev: torch.device, ptop: int) -> _Bench:
@@ -183,17 +217,26 @@ def _data(sizes, dev: torch.device, ptop: int) -> _Bench:
     return _Bench(dev, src, dst, toks, stored, perm, g, top, ptop)
 
 
+#: Our contenders: the product's default (the whole range prepared at match) and, side by
+#: side, the first piece prepared at match with the rest asked for in the load, and pieces
+#: in the load with commits behind the copy (-cold) or after the load (-cold-late).
+OURS = (("ours-shm", "shm", {"early": True}),
+        ("ours-shm-first", "shm", {"early": True, "first": True}),
+        ("ours-shm-cold", "shm", {}),
+        ("ours-shm-cold-late", "shm", {"late": True}),
+        ("ours-pickle", "pickle", {}))
+
+
 def _add_ours(b: _Bench, d_shm: DaemonProcess, d_pickle: DaemonProcess, closers: list) -> None:
     """Our three contenders, each registered; the prefix stored once per daemon."""
-    for name, d, expect, early in (("ours-shm", d_shm, "shm", True),
-                                   ("ours-shm-cold", d_shm, "shm", False),
-                                   ("ours-pickle", d_pickle, "pickle", False)):
+    for name, expect, kw in OURS:
         t0 = time.perf_counter()
-        c = b.contenders[name] = Ours(d.endpoint, b.dev, expect, early=early)
+        d = d_shm if expect == "shm" else d_pickle
+        c = b.contenders[name] = Ours(d.endpoint, b.dev, expect, **kw)
         closers.append(c.close)
         print(f"{name}: registered in {time.perf_counter() - t0:.2f} s ({c.note})",
               flush=True)
-        if name == "ours-shm-cold":
+        if name not in ("ours-shm", "ours-pickle"):
             continue  # the same daemon and prefix as ours-shm
         t0 = time.perf_counter()
         m = b.top if expect == "shm" else b.ptop
@@ -204,20 +247,20 @@ def _add_ours(b: _Bench, d_shm: DaemonProcess, d_pickle: DaemonProcess, closers:
               f"{b.store_s[name]:.2f} s", flush=True)
 
 
-def _add_lmcache(b: _Bench, d_shm: DaemonProcess, closers: list) -> None:
+def _add_lmcache(b: _Bench, d_lmc: DaemonProcess, closers: list) -> None:
     """LMCache's connector at page size 1 and 256, each with its own prefix (other token
     ids) holding the same bytes, stored its own way; one that fails is dropped, named."""
     pages = torch.randperm(b.src.num_slots // CHUNK, generator=b.gen)[:b.top // CHUNK]
     pslots = (pages[:, None] * CHUNK + torch.arange(CHUNK)).reshape(-1)
-    for k, page, own, inst in (("lmcache", 1, b.perm, 1), ("lmcache-p256", CHUNK,
-                                                           pslots, 2)):
+    for k, page, own, inst in (("lmcache-p256", CHUNK, pslots, 2),
+                               ("lmcache", 1, b.perm, 1)):
         try:  # its own prefix (other token ids) holding the same bytes, stored its way
             own = own.to(b.dev)
             for a, d in zip([*b.src.k_buffer, *b.src.v_buffer],
                             [*b.dst.k_buffer, *b.dst.v_buffer]):
                 d[own] = a[b.stored]
             t0 = time.perf_counter()
-            c = LMCache(d_shm.host, d_shm.port, b.dst, [t + inst for t in b.toks], page,
+            c = LMCache(d_lmc.host, d_lmc.port, b.dst, [t + inst for t in b.toks], page,
                         own, inst)
             closers.append(c.close)
             c.store()
@@ -244,11 +287,32 @@ def _measure(b: _Bench, sizes, samples: int, partial) -> dict:
     result["pickle_max_tokens"] = PICKLE_MAX_TOKENS
     result["proof"] = b.proofs
     result["store_s"] = b.store_s
+    result["lmcache_restored"] = b.restored
     return result
+
+
+def _lmcache_present(b: _Bench, n: int) -> None:
+    """Before LMCache's proof at n tokens: its whole prefix hits, or it is stored again
+    (each time recorded in `b.restored`: what hit, what hit after)."""
+    for k, c in b.contenders.items():
+        if not isinstance(c, LMCache):
+            continue
+        rid = f"present-{k}-{n}-{next(request_ids)}"
+        hit = c.conn.lookup_kv(list(c.toks[:n]), rid)
+        c.conn.end_session(rid)
+        if hit < n:
+            c.store()
+            rid += "-again"
+            again = c.conn.lookup_kv(list(c.toks[:n]), rid)
+            c.conn.end_session(rid)
+            b.restored.setdefault(k, []).append({"tokens": n, "hit": hit, "after": again})
+            print(f"{k}: {hit} of {n} tokens hit before its proof; stored again: {again}",
+                  flush=True)
 
 
 def _prove_size(b: _Bench, n: int) -> None:
     """Byte-exact proof of every contender at n tokens; a failing LMCache one is dropped."""
+    _lmcache_present(b, n)
     for k, c in list(b.contenders.items()):
         if k == "ours-pickle" and n > b.ptop:
             continue
@@ -265,25 +329,32 @@ def _prove_size(b: _Bench, n: int) -> None:
 
 
 def _time_size(b: _Bench, n: int, samples: int) -> dict:
-    """The timed samples at n tokens as one row, with the phases and match times."""
+    """The timed samples at n tokens as one row, with the phases, the match times and the
+    whole path per contender (`whole_path`: ours match/load/commit, LMCache lookup/retrieve)."""
     contenders = b.contenders
-    times = _bench_size(n, contenders, b.toks, b.dst, b.perm, samples)
+    times = _bench_size(n, contenders, b.toks, b.dst, b.perm, samples, b.dropped)
+    times = {k: v for k, v in times.items() if k in contenders}
     row = size_row(n, times)
-    for k in ("ours-shm", "ours-shm-cold"):
-        row[k.replace("-", "_") + "_returned_ms"] = median(contenders[k].phases) * 1e3
-        contenders[k].phases.clear()
-    row["match_ms"] = {k: median(c.match_s) * 1e3 for k, c in contenders.items()
-                       if getattr(c, "match_s", None)}
+    for k, c in contenders.items():
+        if getattr(c, "phases", None) and k != "ours-pickle":
+            row[k.replace("-", "_") + "_returned_ms"] = median(c.phases) * 1e3
+            c.phases.clear()
+    row["whole_path"] = {k: whole_path(c.split[-len(times[k]):]) for k, c in contenders.items()
+                         if getattr(c, "split", None) and times.get(k)}
+    row["match_ms"] = {k: median(c.match_s[-len(times[k]):]) * 1e3
+                       for k, c in contenders.items()
+                       if getattr(c, "match_s", None) and times.get(k)}
     for c in contenders.values():
-        if getattr(c, "match_s", None):
-            c.match_s.clear()
+        for name in ("match_s", "split"):
+            if getattr(c, name, None):
+                getattr(c, name).clear()
     return row
 
 
 def run(args) -> int:
     if not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        return EXIT_FAILED
     path = getattr(args, "json", None)
     result = run_sizes(SIZES, torch.device("cuda", torch.cuda.current_device()),
                        samples=int(getattr(args, "samples", 0) or 0),

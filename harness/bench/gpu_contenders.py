@@ -41,19 +41,27 @@ class Ours:
     the load sends its own prepare_retrieve calls, pipelined in pieces (`piece_plan`)."""
 
     def __init__(self, endpoint: str, dev: torch.device, expect: str, *,
-                 early: bool = False) -> None:
+                 early: bool = False, first: bool = False, late: bool = False) -> None:
+        """`first`: prepare only the first piece at match, the load asks for the rest
+        (`prepare_in_pieces`); `late`: pay every commit after the load (as before commits
+        were paid behind the copy)."""
         self.conn = LMCacheMPConnector(endpoint, LAYOUT, model_name=MODEL, device=dev)
+        self.conn.prepare_in_pieces = first
+        self.conn.commit_behind = not late
         self.conn.register(T)
         assert self.conn.transfer == expect, f"auto chose {self.conn.transfer}, want {expect}"
         self.phases: list[float] = []
         self.match_s: list[float] = []
+        #: Per timed sample: (match, load, commit) seconds; their sum is the whole path.
+        self.split: list[tuple[float, float, float]] = []
         self.early = early
         self.prepared = None
         gpu = self.conn._gpu
         self.note = (f"{expect}, scatter {gpu.scatter_impl}" if gpu is not None
                      else f"{expect}, CPU pool")
-        self.note += ", prepare at match" if early else (
-            ", pieces in the load" if expect == "shm" else "")
+        self.note += (", first piece prepared at match" if first else ", prepare at match")\
+            if early else (", pieces in the load" if expect == "shm" else "")
+        self.note += ", commits after the load" if late else ""
 
     def lookup(self, toks, rid, n) -> None:
         t0 = time.perf_counter()
@@ -74,17 +82,22 @@ class Ours:
             r.ready.synchronize()
         return r
 
-    def after(self, r, rid) -> None:
+    def after(self, r, rid) -> float:
+        """Pay the commit (timed: its round trip is part of the whole path, wherever the
+        engine pays it), then end the session (untimed, as LMCache's end_session)."""
+        t0 = time.perf_counter()
         if r.commit is not None:
             r.commit(T)
+        dt = time.perf_counter() - t0
         self.conn.end_session(rid, T)
+        return dt
 
     def run(self, toks, rid, pool, slots, n) -> float:
         self.lookup(toks, rid, n)
         t0 = time.perf_counter()
         r = self.load(toks, rid, pool, slots, n)
         dt = time.perf_counter() - t0
-        self.after(r, rid)
+        self.split.append((self.match_s[-1], dt, self.after(r, rid)))
         self.phases.append(self.returned_s)
         return dt
 
@@ -144,6 +157,8 @@ class LMCache:
         self.StoreMetadata = StoreMetadata
         self.note = f"lmcache_driven RETRIEVE, CUDA IPC, page {page}"
         self.match_s: list[float] = []
+        #: Per timed sample: (lookup, retrieve) seconds; the retrieve releases its locks.
+        self.split: list[tuple[float, float]] = []
 
     def store(self) -> None:
         self.conn.store_kv(self.StoreMetadata(last_node=None, token_ids=self.toks,
@@ -163,6 +178,7 @@ class LMCache:
         sync(self.dev)
         dt = time.perf_counter() - t0
         assert got == n, f"lmcache: retrieved {got} of {n} tokens"
+        self.split.append((self.match_s[-1], dt))
         self.conn.end_session(rid)
         return dt
 

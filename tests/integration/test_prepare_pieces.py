@@ -167,6 +167,48 @@ def test_prepared_range_loads_later_and_its_commit_releases_it(shm_daemon, conn,
                            timeout_s=5, skip=skip, prepared=prepared)
 
 
+def test_a_range_prepared_in_part_loads_the_rest_in_pieces(shm_daemon, conn, layout):
+    """With `prepare_in_pieces` on a GPU the match prepares only the first piece and the
+    load asks for the rest while that piece copies (`force_prepare_pieces` runs the same
+    code on a CPU pool); every commit releases its piece."""
+    n, skip = 3 * CHUNK, 7
+    toks = _tokens(n, 17)
+    src, src_slots = _store(conn, layout, toks, 17)
+    conn.force_prepare_pieces = lambda k: [1, 2]
+    assert conn.lookup_hit_tokens(toks, "r-part", 5) == n
+    prepared = conn.prepare(toks, "r-part", start=0, end=n, timeout_s=5)
+    assert len(prepared.chunks) == 1 and prepared.rest == (2,)
+    assert prepared.retrieval.asked_to == CHUNK
+    dst = make_pool(layout, 1024, fill=False)
+    slots = torch.randperm(1024)[:n - skip]
+    got = conn.retrieve_into(toks, "r-part", dst, slots, start=0, end=n, timeout_s=5,
+                             skip=skip, prepared=prepared)
+    assert same_kv(kv_of(dst, slots), kv_of(src, src_slots[skip:]))
+    assert [repr(o) for o in prepared.retrieval.owed] == [
+        "commit_retrieve[0, 16)", "commit_retrieve[16, 48)"]
+    got.commit(5)
+    assert shm_daemon.held()["read_locks"] == 0
+    conn.end_session("r-part", 5)
+    assert _settled(shm_daemon)["read_locks"] == 0
+
+
+def test_a_range_prepared_in_part_and_never_loaded_releases_every_lock(shm_daemon, conn,
+                                                                        layout):
+    n = 3 * CHUNK
+    toks = _tokens(n, 19)
+    _store(conn, layout, toks, 19)
+    conn.force_prepare_pieces = lambda k: [1, 1, 1]
+    assert conn.lookup_hit_tokens(toks, "r-drop", 5) == n
+    prepared = conn.prepare(toks, "r-drop", start=0, end=n, timeout_s=5)
+    assert shm_daemon.held()["read_locks"] > 0
+    assert [repr(o) for o in prepared.retrieval.owed] == [
+        "commit_retrieve[0, 16)", "free_locks[16, 48)"]
+    prepared.retrieval.release(5)  # the prefix ended without loading: commit, then the rest
+    assert shm_daemon.held()["read_locks"] == 0
+    conn.end_session("r-drop", 5)
+    assert _settled(shm_daemon)["read_locks"] == 0
+
+
 # ------------------------------------------------------------------ orchestrator
 
 

@@ -24,7 +24,7 @@ from lmcache_loadback.connectors.errors import (
 )
 from lmcache_loadback.connectors.kv_layout import KVLayout
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
-from lmcache_loadback.connectors.retrieval import Retrieval
+from lmcache_loadback.connectors.retrieval import CommitBehind, Retrieval
 from lmcache_loadback.connectors.safe_decode import dump_tensor_list
 from lmcache_loadback.testing.memory import InMemoryConnector
 from tests.conftest import kv_of, make_pool, same_kv
@@ -91,6 +91,74 @@ def test_asked_without_a_commit_moves_the_locks_and_owes_nothing():
     assert r.locks_moved and not r.owes and r.asked_to == 48
     with pytest.raises(ValueError):
         r.asked(64, None)  # beyond the range
+
+
+class _Event:
+    """A CUDA event's `query()`, set by hand."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_commits_are_paid_behind_the_copy_only_once_each_piece_completed():
+    paid: list[str] = []
+    r = Retrieval(0, 0, 96)
+    behind = CommitBehind(r)
+    events = [_Event() for _ in range(3)]
+    for i, (end, ev) in enumerate(zip((32, 64, 96), events)):
+        r.asked(end, _paying(paid, f"commit {i}"))
+        behind.landed(end, ev)
+    assert behind.pay_landed(1.0) == 0 and paid == []  # no copy completed: nothing, no wait
+    events[1].done = True  # a later piece done before an earlier one: still in order
+    assert behind.pay_landed(1.0) == 0 and paid == []
+    events[0].done = True
+    assert behind.pay_landed(1.0) == 2 and paid == ["commit 0", "commit 1"]
+    assert [repr(o) for o in r.owed] == ["commit_retrieve[64, 96)"]
+    r.release(1.0)  # the caller's release pays what is left, once
+    assert paid == ["commit 0", "commit 1", "commit 2"] and not r.owes
+
+
+def test_a_commit_failing_behind_the_copy_stays_owed_for_the_release():
+    paid: list[str] = []
+    fail = [True]
+
+    def flaky(_t):
+        if fail[0]:
+            raise DaemonTimeout("commit_retrieve", 0.1, "no answer")
+        paid.append("commit 0")
+
+    r = Retrieval(0, 0, 64)
+    behind = CommitBehind(r)
+    ev = _Event()
+    r.asked(32, flaky)
+    behind.landed(32, ev)
+    r.asked(64, _paying(paid, "commit 1"))
+    ev.done = True
+    assert behind.pay_landed(1.0) == 0 and behind.failed and len(r.owed) == 2
+    fail[0] = False
+    r.release(1.0)
+    assert paid == ["commit 0", "commit 1"]
+
+
+def test_the_rest_of_a_range_prepared_in_part_is_freed_once_whatever_was_asked_for():
+    freed: list[tuple[int, int]] = []
+    r = Retrieval(0, 0, 96)
+    r.owe_rest(lambda s, e, _t: freed.append((s, e)))
+    assert not r.owes and not r.locks_moved  # nothing asked: the lookup's locks, the caller's
+    r.asked(32, lambda _t: None)
+    assert r.owes and [repr(o) for o in r.owed][-1] == "free_locks[32, 96)"
+    r.asked(64, lambda _t: None)  # the load goes on: less is left to free
+    r.release(1.0)
+    r.release(1.0)
+    assert freed == [(64, 96)]
+    done = Retrieval(0, 0, 64)
+    done.owe_rest(lambda s, e, _t: freed.append((s, e)))
+    done.asked(32, None)
+    done.asked(64, None)  # every piece asked for: nothing left to free
+    assert not done.owes and done.release(1.0) and freed == [(64, 96)]
 
 
 # -- the connector, over a scripted transport ----------------------------------------
