@@ -42,7 +42,8 @@ from .gpu_daemon_ops import daemon_ops  # noqa: E402
 from .gpu_report import TARGETS, report, size_row, whole_path  # noqa: E402
 
 __all__ = ["CHUNK", "LAYOUT", "MODEL", "NO_CUDA", "PICKLE_MAX_TOKENS", "SIZES", "SKIP", "T",
-           "TARGETS", "Copy", "LMCache", "Ours", "drop", "run", "run_sizes", "verdict"]
+           "TARGETS", "Copy", "LMCache", "Ours", "drop", "page_slots", "run", "run_sizes",
+           "verdict"]
 
 SIZES = (1024, 4096, 16384, 65536)
 #: Timed samples per size after WARMUP; the pickle path is slow at 64k, so fewer there.
@@ -247,11 +248,19 @@ def _add_ours(b: _Bench, d_shm: DaemonProcess, d_pickle: DaemonProcess, closers:
               f"{b.store_s[name]:.2f} s", flush=True)
 
 
+def page_slots(num_slots: int, tokens: int, gen: torch.Generator) -> torch.Tensor:
+    """Slots of `tokens // CHUNK` random whole pages of CHUNK slots, never page 0: LMCache's
+    daemon takes block 0 for the null block (`null_block_id`, as SGLang's page 0 is never
+    handed out) and does not store a chunk on it, so a prefix through page 0 hits only up to
+    it (seen: 54784 of 65536 tokens, page 0 drawn 215th)."""
+    pages = 1 + torch.randperm(num_slots // CHUNK - 1, generator=gen)[:tokens // CHUNK]
+    return (pages[:, None] * CHUNK + torch.arange(CHUNK)).reshape(-1)
+
+
 def _add_lmcache(b: _Bench, d_lmc: DaemonProcess, closers: list) -> None:
     """LMCache's connector at page size 1 and 256, each with its own prefix (other token
     ids) holding the same bytes, stored its own way; one that fails is dropped, named."""
-    pages = torch.randperm(b.src.num_slots // CHUNK, generator=b.gen)[:b.top // CHUNK]
-    pslots = (pages[:, None] * CHUNK + torch.arange(CHUNK)).reshape(-1)
+    pslots = page_slots(b.src.num_slots, b.top, b.gen)
     for k, page, own, inst in (("lmcache-p256", CHUNK, pslots, 2),
                                ("lmcache", 1, b.perm, 1)):
         try:  # its own prefix (other token ids) holding the same bytes, stored its way

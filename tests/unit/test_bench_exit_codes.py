@@ -193,3 +193,19 @@ def test_whole_path_takes_the_median_of_per_sample_sums():
 def test_the_gpu_targets_judge_the_whole_path():
     assert gpu.TARGETS == {"p7_ratio": 0.9, "p7_ratio_1k": 0.75, "p7_vs_lmcache_page1": 30.0,
                            "e2e_vs_lmcache": 1.05, "e2e_bound_ratio": 0.9}
+
+
+def test_lmcache_page_256_never_gets_page_0_its_daemon_s_null_block():
+    """The Dec 1 runs drew page 0 as the 215th page of LMCache's 64k prefix: its daemon does
+    not store a chunk on the null block, so 54784 of 65536 tokens hit. Same draw, now."""
+    top, pool = 65536, 65536 + 4096
+    g = gpu.torch.Generator().manual_seed(11)
+    gpu.torch.randint(1, 32000, (top,), generator=g)
+    gpu.torch.randperm(pool, generator=g)
+    gpu.torch.randperm(pool, generator=g)
+    slots = gpu.page_slots(pool, top, g)
+    pages = slots.view(-1, gpu.CHUNK)[:, 0] // gpu.CHUNK
+    assert len(slots) == top and 0 not in pages.tolist()
+    assert len(set(pages.tolist())) == top // gpu.CHUNK and int(slots.max()) < pool
+    assert gpu.torch.equal(slots.view(-1, gpu.CHUNK) % gpu.CHUNK,
+                           gpu.torch.arange(gpu.CHUNK).expand(top // gpu.CHUNK, -1))
