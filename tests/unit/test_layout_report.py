@@ -173,3 +173,10 @@ def test_top_limits_the_lists_and_a_missing_root_is_usage(tree, tmp_path):
     assert out.returncode == 0
     assert "the 1 largest modules" in out.stdout and "83  orchestrator/core.py" not in out.stdout
     assert run(str(tmp_path / "nowhere")).returncode == 2
+
+
+def test_the_product_itself_keeps_the_limits():
+    """No product module over 400 lines, no function over 60: the house rule, kept by CI."""
+    r = subprocess.run([sys.executable, "-m", "tools.layout_report", "--check", str(REPO)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
