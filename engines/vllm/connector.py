@@ -1,11 +1,5 @@
-"""`LoadBackConnector`: vLLM's KV connector v1 class, one instance per role and process.
-
-The scheduler role (EngineCore) answers hits and plans loads and stores (`scheduler.py`); the
-worker role (Worker) moves the bytes (`worker.py`); what passes between them each step is
-`meta.LoadBackMeta`. Loads are synchronous (loaded in `start_load_kv`, before the forward);
-stores run in `wait_for_save`, after it. Only the methods of the process's own role are
-called by vLLM.
-"""
+"""`LoadBackConnector`: vLLM's KV connector v1 class, one instance per role and process, handing
+each call to its side (`scheduler.py`, `worker.py`)."""
 
 from __future__ import annotations
 
@@ -38,6 +32,10 @@ def _log_through_vllm() -> None:
 
 
 class LoadBackConnector(KVConnectorBase_V1):
+    """vLLM calls only the methods of the process's own role: the scheduler role's in
+    EngineCore (`self.scheduler`), the worker role's in each Worker (`self.worker`); the other
+    side is None."""
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()

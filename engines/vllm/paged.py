@@ -1,16 +1,6 @@
-"""vLLM's CPU paged KV cache as the engine-neutral `KVLayout` / `KVPool` see it.
-
-vLLM 0.32's CPU attention (`CPU_ATTN`) keeps each layer as one `[num_blocks, num_kv_heads,
-block_size, 2 * head_size]` tensor that its kernel reads as `[num_blocks, num_kv_heads,
-2 * block_size, head_size]`: per block and head, `block_size` K rows, then `block_size` V rows
-(v1/attention/backends/cpu_attn.py). A token's slot is `block_id * block_size + offset`, but its
-heads are not contiguous (head-major inside a block), so no `[slots, heads, head_size]` view of
-the layer exists. `PagedCPUView` therefore gives the core a token-major staging `KVPool` of
-`staging_tokens` slots per region and moves whole blocks between it and the paged layers: one
-`index_copy_` / `index_select` per layer. Two regions: loads use [0, staging_tokens), stores
-[staging_tokens, 2 * staging_tokens) (a store runs off the forward path while the next step's
-loads stage). Loads and stores are whole blocks (a chunk is a whole number of blocks, a local
-hit is block aligned).
+"""vLLM's CPU paged KV cache as the engine-neutral `KVLayout` / `KVPool` see it: a token-major
+staging pool (a load region, a store region) and whole-block copies between it and the paged
+layers (docs/vllm.md, "Staging memory").
 """
 
 from __future__ import annotations
@@ -24,7 +14,19 @@ from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool, check_pool
 
 
 class PagedCPUView:
-    """The paged layers of one vLLM worker (in `layout`'s layer order) and a staging pool."""
+    """The paged layers of one vLLM worker (in `layout`'s layer order) and a staging pool.
+
+    vLLM 0.32's CPU attention (`CPU_ATTN`, v1/attention/backends/cpu_attn.py) keeps each layer
+    as one `[num_blocks, num_kv_heads, block_size, 2 * head_size]` tensor that its kernel reads
+    as `[num_blocks, num_kv_heads, 2 * block_size, head_size]`: per block and head,
+    `block_size` K rows, then `block_size` V rows. A token's slot is
+    `block_id * block_size + offset`, but its heads are not contiguous (head-major inside a
+    block), hence the token-major `pool` of `2 * staging_tokens` slots: loads use
+    [0, staging_tokens), stores [staging_tokens, 2 * staging_tokens) (a store runs off the
+    forward path while the next step's loads stage). Loads and stores move whole blocks, one
+    `index_copy_` / `index_select` per layer (a chunk is a whole number of blocks, a local hit
+    is block aligned).
+    """
 
     def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout, block_size: int,
                  staging_tokens: int) -> None:

@@ -1,26 +1,5 @@
 """The scheduler side (vLLM's EngineCore process): LOOKUPs off the scheduler thread, promises,
-what each step ships to the worker, releases.
-
-vLLM asks `get_num_new_matched_tokens` on every scheduling pass of a waiting request and must
-never wait on the daemon: the first ask queues the request's LOOKUP (the core's `match`, bounded
-by deadlines.lookup_ms) for one worker thread and answers `None` (ask again); later passes
-answer the hit once it is known, or a miss once the lookup deadline has passed (the LOOKUP is
-then abandoned: the worker thread releases whatever it took). A request's ask is made against a
-local hit; a different local hit (or a request coming back after its load was shipped, e.g.
-preempted) voids it and asks again under a new session id. A request whose load failed is never
-promised anything again (vLLM's recompute policy asks again; promising the same hit would loop).
-A preempted request gives back its LOOKUP's locks and session at once. Requests whose KV is not
-a function of their token ids alone (LoRA, multimodal, prompt embeddings) are neither looked up
-nor stored; vLLM's `cache_salt` goes with every LOOKUP, load and store.
-
-The worker process loads with its own LOOKUP under its own session (the prefix state lives in
-each process's orchestrator); this side's LOOKUP keeps the chunks read-locked until two steps
-after the load was shipped (by then the worker's own LOOKUP holds them), or until the request
-finished, whichever comes first. Its prefixes therefore end `unused` on this process's series
-(served only with loadback.scheduler_metrics_port); loads and stores are counted by the
-worker's, on the YAML's metrics port. With tensor parallelism this side's LOOKUP locks
-every rank's shard (world size = TP size); each worker rank then runs the core's TP protocol
-(the leader LOOKUPs for the group, each rank retrieves and stores its own shard).
+what each step ships to the worker, releases (docs/vllm.md, "Scheduler side").
 """
 
 from __future__ import annotations

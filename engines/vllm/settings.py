@@ -1,8 +1,5 @@
 """The connector's settings from vLLM's config: the product's YAML, LMCache's `lmcache.mp.*`
 keys, the KV geometry from vLLM's KV cache config, and the start-up refusals.
-
-Both sides (scheduler and worker) derive the same values from the same vLLM config, so what
-the scheduler promises is what the worker can load (chunk alignment, staging size).
 """
 
 from __future__ import annotations
@@ -64,7 +61,9 @@ def read_config(extra: dict[str, Any]) -> tuple[LoadBackConfig, str]:
 
 def from_vllm(vllm_config, kv_cache_config) -> Settings:
     """Settings for this engine; UnsupportedKVPool / ValueError (one line naming the fix) for
-    what this connector does not serve."""
+    what this connector does not serve. Both sides (scheduler and worker) derive the same
+    values from the same vLLM config, so what the scheduler promises is what the worker can
+    load (chunk alignment, staging size)."""
     ktc = vllm_config.kv_transfer_config
     extra = dict(ktc.kv_connector_extra_config or {})
     par = vllm_config.parallel_config

