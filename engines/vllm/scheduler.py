@@ -23,6 +23,9 @@ log = logging.getLogger("loadback.vllm")
 
 #: steps after shipping a load before this side frees its LOOKUP's read locks
 RELEASE_AFTER_STEPS = 2
+#: LOOKUPs waiting for the worker thread at most; past it a request recomputes (a skipped
+#: LOOKUP) rather than queueing behind a daemon that does not answer
+MAX_QUEUED_LOOKUPS = 256
 
 
 @dataclass(eq=False)
@@ -216,6 +219,10 @@ class SchedulerSide:
             budget += cfg.deadlines.retrieve_s(end - local)  # match prepares the retrieve too
         ask = Ask(f"{rid}#ask{attempt}", local, end, time.monotonic() + budget, salt)
         self._asks[rid] = ask
+        if self._q.qsize() >= MAX_QUEUED_LOOKUPS:
+            ask.done = ask.released = True  # a miss, nothing taken on the daemon
+            self.orch.metrics.observe_lookup(None, "skipped")
+            return ask
         self._q.put((ask, token_ids))
         return ask
 
@@ -226,6 +233,8 @@ class SchedulerSide:
                 return
             ask, token_ids = item
             with ask.lock:
+                if not ask.done and time.monotonic() >= ask.deadline:
+                    ask.done = ask.abandoned = True  # expired while queued: a miss
                 if ask.abandoned:
                     continue  # answered as a miss before it started: nothing taken
             tokens = 0
