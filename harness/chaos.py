@@ -8,6 +8,7 @@ judged (harness/chaos_judge.py).
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import traceback
@@ -160,6 +161,14 @@ def _start_daemon(scn: Scenario, rig: _Rig) -> str:
     return endpoint
 
 
+def deadline_slack_s(engines: int) -> float:
+    """How far past its deadline a call may return before it counts as hung: 5 ms, plus one
+    GIL switch interval per other engine. The harness runs its engines as threads of one
+    process, where a call whose deadline passed may wait for the GIL while the others run;
+    in production each engine is a process of its own."""
+    return 0.005 + (engines - 1) * sys.getswitchinterval()
+
+
 def _add_lanes(rig: _Rig, scn: Scenario, cfg: LoadBackConfig, endpoint: str, engines: int,
                metrics) -> None:
     for i in range(engines):
@@ -173,7 +182,8 @@ def _add_lanes(rig: _Rig, scn: Scenario, cfg: LoadBackConfig, endpoint: str, eng
         name = f"e{i}" if engines > 1 else ""
         rig.lanes.append(Lane(i, name or "e0", conn, orch, slots,
                               Workload(LAYOUT, scn.seed, stream=i),
-                              Engine(orch, pool, LAYOUT, slots, seed=scn.seed + i, name=name)))
+                              Engine(orch, pool, LAYOUT, slots, seed=scn.seed + i, name=name,
+                                     deadline_slack_s=deadline_slack_s(engines))))
 
 
 def _play(scn: Scenario, rig: _Rig, n_rounds: int, progress) -> Played:

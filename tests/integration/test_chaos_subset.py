@@ -48,7 +48,7 @@ def test_engines_sharing_one_daemon_in_bursts_keep_every_invariant(name):
     per_engine = r.extra["per_engine"]
     assert [e["requests"] for e in per_engine] == [rounds] * 3, per_engine
     assert r.requests == 3 * rounds
-    assert r.hung == 0, r
+    assert r.hung == 0, (r.worst_overshoot_ms, r.worst_overshoot_detail, r)
     assert r.leaked == 0, (r.leaks, per_engine)
     assert r.wrong_bytes == 0
     assert r.counters_ok, r.counter_mismatches
