@@ -24,7 +24,8 @@ class Result:
     """One scenario's verdict. hung: calls past their deadline + the slack
     (`chaos.deadline_slack_s`), and engines stuck in a round; leaked: slots, read locks,
     sessions, debts still owed; wrong bytes: loaded KV differing from a recompute; counters:
-    metrics equal to the outcomes the engines saw; recovery: fault end -> first hit; and the daemon errors `expect_logged` names."""
+    metrics equal to the outcomes the engines saw; recovery: fault end -> first hit; and the
+    daemon errors `expect_logged` names."""
 
     name: str
     requests: int
