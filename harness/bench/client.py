@@ -25,7 +25,7 @@ from lmcache_loadback.testing.daemon import DaemonProcess  # noqa: E402
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool, gather_chunks, scatter_chunks  # noqa: E402
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector  # noqa: E402
 
-from .common import fmt, median, print_table, write_json  # noqa: E402
+from .common import fmt, median, print_table, shut_down, write_json  # noqa: E402
 
 SIZES = (256, 1024, 4096)
 CHUNK = 256
@@ -343,13 +343,7 @@ def run(args) -> int:
                 for n in SIZES]
         result = _report(rows, {k: c.note for k, c in contenders.items()}, samples)
     finally:
-        for close in reversed(closers):
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - best effort; the daemons stop next
-                pass
-        for d in (d_pickle, d_shm):
-            d.stop()
+        shut_down(closers, (d_pickle, d_shm))
     result["wall_s"] = time.monotonic() - t_start
     print(f"total wall time {result['wall_s']:.1f} s")
     if getattr(args, "json", None):

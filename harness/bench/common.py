@@ -65,3 +65,14 @@ def write_json(path: str, obj: object) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=False, allow_nan=False)
         f.write("\n")
+
+
+def shut_down(closers: Sequence, daemons: Sequence) -> None:
+    """Close what the bench opened, last first (best effort), then stop its daemons."""
+    for close in reversed(closers):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - best effort; the daemons stop next
+            pass
+    for d in daemons:
+        d.stop()

@@ -24,7 +24,7 @@ from lmcache_loadback.connectors.kv_layout import KVPool  # noqa: E402
 from lmcache_loadback.orchestrator.exit_codes import EXIT_FAILED, EXIT_OK  # noqa: E402
 from lmcache_loadback.testing.daemon import DaemonProcess  # noqa: E402
 
-from .common import fmt, median, write_json  # noqa: E402
+from .common import fmt, median, shut_down, write_json  # noqa: E402
 from .gpu_contenders import (  # noqa: E402
     CHUNK,
     LAYOUT,
@@ -187,13 +187,7 @@ def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 
         if partial is not None:  # the whole report, before the (slow) shutdown
             partial({**result, "wall_s": time.monotonic() - t_start})
     finally:
-        for close in reversed(closers):
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - best effort; the daemons stop next
-                pass
-        for d in daemons:
-            d.stop()
+        shut_down(closers, daemons)
     result["wall_s"] = time.monotonic() - t_start
     return result
 

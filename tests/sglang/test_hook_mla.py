@@ -168,7 +168,11 @@ def _mla_rank(rank: int, dist_port: int, daemon_port: int, daemon_pid: int, log_
 
         before = stored_lines(log_path)
         admit("first", "m-first")          # computed on both ranks; stored by rank 0 only
-        time.sleep(0.5)                     # rank 1 would have stored by now
+        # Both ranks' stores were answered before admit's barrier (settle drains them): once
+        # the daemon's log shows rank 0's, a store of rank 1 would show too.
+        end = time.monotonic() + 15
+        while stored_lines(log_path) == before and time.monotonic() < end:
+            time.sleep(0.01)
         res["stores"] = stored_lines(log_path) - before
         s.flush()
         admit("hit", "m-hit")              # both ranks load rank 0's latent KV
