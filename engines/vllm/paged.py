@@ -43,7 +43,7 @@ class PagedCPUView:
                     f"loadback: KV layer {i} is {tuple(t.shape)} {t.dtype} on {t.device} "
                     f"(contiguous: {t.is_contiguous()}); the vLLM connector serves vLLM's CPU "
                     f"layout [num_blocks, num_kv_heads, block_size, 2*head_size] = {want} "
-                    f"{layout.dtype}, contiguous, on CPU")
+                    f"{layout.dtype}, contiguous, on CPU, and its CUDA layout on CUDA")
         self.layout = layout
         self.block_size = bs
         self.num_blocks = int(first.shape[0])
@@ -66,17 +66,12 @@ class PagedCPUView:
         return self._slots[base:base + n]
 
     def _index(self, block_ids: Sequence[int], tokens: int, base: int) -> torch.Tensor:
-        nb = len(block_ids)
-        if tokens != nb * self.block_size or base < 0 or base + tokens > 2 * self.staging_tokens:
-            raise ValueError(f"{tokens} tokens in {nb} blocks of {self.block_size} at staging "
-                             f"slot {base} (staging holds 2 x {self.staging_tokens})")
-        idx = torch.tensor(list(block_ids), dtype=torch.int64)
-        if nb and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
-            raise ValueError(f"block ids {list(block_ids)} outside [0, {self.num_blocks})")
-        return idx
+        return block_index(self, block_ids, tokens, base)
 
-    def to_blocks(self, block_ids: Sequence[int], tokens: int, base: int = 0) -> None:
-        """Staging slots [base, base + tokens) -> the blocks `block_ids`, every layer, K and V."""
+    def to_blocks(self, block_ids: Sequence[int], tokens: int, base: int = 0,
+                  ready=None) -> None:
+        """Staging slots [base, base + tokens) -> the blocks `block_ids`, every layer, K and V.
+        `ready`: the load's completion event (None here: a CPU load has landed on return)."""
         idx = self._index(block_ids, tokens, base)
         nb, bs, h, d = len(block_ids), self.block_size, self.layout.num_heads, self.layout.head_dim
         end = base + tokens
@@ -94,6 +89,19 @@ class PagedCPUView:
             blk = src.index_select(0, idx)  # [nb, heads, 2, bs, d]
             k[base:end].view(nb, bs, h, d).copy_(blk[:, :, 0].transpose(1, 2))
             v[base:end].view(nb, bs, h, d).copy_(blk[:, :, 1].transpose(1, 2))
+
+
+def block_index(view, block_ids: Sequence[int], tokens: int, base: int) -> torch.Tensor:
+    """The block ids as a CPU int64 tensor; ValueError unless `tokens` fill them and fit the
+    view's staging pool from `base`, and every id is one of its blocks."""
+    nb, bs, staging = len(block_ids), view.block_size, view.staging_tokens
+    if tokens != nb * bs or base < 0 or base + tokens > 2 * staging:
+        raise ValueError(f"{tokens} tokens in {nb} blocks of {bs} at staging slot {base} "
+                         f"(staging holds 2 x {staging})")
+    idx = torch.tensor(list(block_ids), dtype=torch.int64)
+    if nb and (int(idx.min()) < 0 or int(idx.max()) >= view.num_blocks):
+        raise ValueError(f"block ids {list(block_ids)} outside [0, {view.num_blocks})")
+    return idx
 
 
 def ordered_layers(kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str]

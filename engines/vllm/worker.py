@@ -16,6 +16,7 @@ from lmcache_loadback.orchestrator.factory import create_orchestrator
 
 from .meta import LoadBackMeta, LoadOp, StoreOp
 from .paged import PagedCPUView, ordered_layers
+from .paged_cuda import PagedCUDAView, paged_view
 from .settings import Settings
 
 log = logging.getLogger("loadback.vllm")
@@ -25,7 +26,7 @@ class WorkerSide:
     def __init__(self, settings: Settings, layer_names: Sequence[str]) -> None:
         self.settings = settings
         self.layer_names = list(layer_names)
-        self.view: PagedCPUView | None = None
+        self.view: PagedCPUView | PagedCUDAView | None = None
         self.orch = None
         self._errors: set[int] = set()
         self.loads_failed = 0
@@ -48,10 +49,12 @@ class WorkerSide:
     def register(self, kv_caches: dict[str, torch.Tensor], *, tp_group=None, rank: int = 0,
                  orchestrator=None) -> None:
         """`tp_group`/`rank`: vLLM's TP group (its CPU/gloo group) and this worker's rank in
-        it, when --tensor-parallel-size > 1: each rank is a KV rank holding its heads."""
+        it, when --tensor-parallel-size > 1: each rank is a KV rank holding its heads. CUDA
+        layers get a `PagedCUDAView` (its staging pool on their device: the core's CUDA
+        path), CPU layers a `PagedCPUView`."""
         s = self.settings
-        self.view = PagedCPUView(ordered_layers(kv_caches, self.layer_names), s.layout,
-                                 s.block_size, s.staging_tokens)
+        self.view = paged_view(ordered_layers(kv_caches, self.layer_names), s.layout,
+                               s.block_size, s.staging_tokens)
         self.orch = orchestrator or create_orchestrator(
             self.worker_config(), layout=s.layout, kv_pool=self.view.pool,
             tp_group=tp_group if s.tp_size > 1 else None, kv_rank=rank, world_size=s.tp_size)
@@ -100,7 +103,7 @@ class WorkerSide:
                 log.info("%s: load failed (%s); load error, recomputed", op.session,
                          res.reason.value if res.reason else res.state)
                 return False
-            self.view.to_blocks(op.block_ids, n)
+            self.view.to_blocks(op.block_ids, n, ready=res.ready)
             return True
         except Exception:  # noqa: BLE001 - a load error, never an engine crash
             log.exception("%s: load failed; load error, recomputed", op.session)

@@ -1,0 +1,158 @@
+"""`PagedCUDAView` on CPU tensors laid out exactly as vLLM 0.32 lays out a CUDA KV cache
+(vLLM's own `allocate_kv_cache`, FlashAttention's `[B, H, N, 2*head_size]`, LBNHC and LBHNC),
+stored from some blocks and loaded into others through the worker side against the real
+lmcache 0.5.6 daemon, checked where FlashAttention reads each token's K and V.
+
+Run: .venv-vllm/bin/python -m pytest tests/vllm/test_paged_cuda.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, \
+    KVCacheTensor
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from lmcache_loadback.connectors.errors import UnsupportedKVPool
+from lmcache_loadback.connectors.kv_layout import KVLayout
+from lmcache_loadback.engines.vllm import paged_cuda
+from lmcache_loadback.engines.vllm.meta import LoadBackMeta, LoadOp, StoreOp
+from lmcache_loadback.engines.vllm.paged_cuda import PagedCUDAView
+from lmcache_loadback.engines.vllm.settings import from_vllm
+from lmcache_loadback.engines.vllm.worker import WorkerSide
+
+from .conftest import CHUNK
+from .mini_engine import BLOCK, DTYPE, HEAD, HEADS, LAYERS, kv_cache_config, vllm_config
+
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+LAYOUT = KVLayout(LAYERS, HEADS, HEAD, DTYPE, CHUNK)
+
+
+def vllm_layers(num_blocks: int, order: KVCacheLayout, kernel_block: int | None = None
+                ) -> list[torch.Tensor]:
+    """The layers as vLLM's GPU model runner allocates them (on the CPU here): one backing
+    buffer, layer-major, `create_kv_cache_views` per layer, random KV."""
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(size=LAYERS * num_blocks * page, layers=NAMES,
+                           layer_stride=num_blocks * page, block_stride=page)
+    cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
+                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    caches = allocate_kv_cache(cfg, torch.device("cpu"), order,
+                               [kernel_block] if kernel_block else None)
+    layers = [caches[n] for n in NAMES]
+    g = torch.Generator().manual_seed(3)
+    for t in layers:
+        t.copy_(torch.randn(t.shape, generator=g).to(DTYPE))
+    return layers
+
+
+def flash_kv(layer: torch.Tensor, block: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one token, every head, as FlashAttention reads them (`kv.transpose(1, 2)
+    .split(head_size, -1)`, slot = block * block_size + offset), as int16 (bit for bit)."""
+    kb = layer.shape[2]
+    k, v = layer.transpose(1, 2).split(HEAD, dim=-1)  # [B, N, H, D] each
+    b, n = block * (BLOCK // kb) + offset // kb, offset % kb
+    return k[b, n].view(torch.int16), v[b, n].view(torch.int16)
+
+
+@pytest.mark.parametrize("order,kernel_block", [(KVCacheLayout.LBNHC, None),
+                                                (KVCacheLayout.LBHNC, None),
+                                                (KVCacheLayout.LBNHC, 16)])
+def test_blocks_round_trip_through_staging(order, kernel_block):
+    layers = vllm_layers(24, order, kernel_block)
+    if order is KVCacheLayout.LBNHC:
+        assert not layers[0].is_contiguous()  # FlashAttention's default is strided
+    before = [t.clone() for t in layers]
+    view = PagedCUDAView(layers, LAYOUT, BLOCK, 4 * CHUNK)
+    src, dst = [3, 17, 5, 0], [9, 22, 1, 14]
+    view.from_blocks(src, 4 * BLOCK, base=view.store_base)
+    for k, v in zip(view.pool.k_buffer, view.pool.v_buffer):  # staging is token-major
+        k[:4 * BLOCK].copy_(k[view.store_base:view.store_base + 4 * BLOCK])
+        v[:4 * BLOCK].copy_(v[view.store_base:view.store_base + 4 * BLOCK])
+    view.to_blocks(dst, 4 * BLOCK)
+    for layer, old in zip(layers, before):
+        for s, d in zip(src, dst):
+            for off in range(BLOCK):
+                assert all(torch.equal(a, b) for a, b in
+                           zip(flash_kv(layer, d, off), flash_kv(old, s, off))), (s, d, off)
+        untouched = [b for b in range(24) if b not in dst]
+        for b in untouched:
+            assert all(torch.equal(flash_kv(layer, b, o)[0], flash_kv(old, b, o)[0])
+                       for o in (0, BLOCK - 1))
+
+
+@pytest.fixture
+def worker(model_config, daemon, yaml_for, monkeypatch):
+    """The worker side with CPU layers routed to the CUDA view (production routes CUDA only)."""
+    monkeypatch.setattr(paged_cuda, "CUDA_VIEW_DEVICES", ("cuda", "cpu"))
+    cfg = vllm_config(model_config, {"loadback.config_file": yaml_for(daemon.port)})
+    w = WorkerSide(from_vllm(cfg, kv_cache_config(64)), NAMES)
+    layers = vllm_layers(64, KVCacheLayout.LBNHC)
+    w.register(dict(zip(NAMES, layers)))
+    try:
+        assert isinstance(w.view, PagedCUDAView)
+        assert w.orch.wait_registered(30), "never registered with the daemon"
+        yield w, layers
+    finally:
+        w.close()
+
+
+@pytest.mark.daemon
+def test_store_then_load_is_byte_exact_where_flash_attention_reads(worker):
+    w, layers = worker
+    prompt = [7 + (i * 29) % 3000 for i in range(4 * CHUNK)]
+    n = len(prompt)
+    src = [40, 3, 57, 12, 33, 8, 61, 20]           # 8 blocks of 32 = 256 tokens
+    dst = [5, 44, 18, 29, 50, 1, 36, 63]
+    before = [t.clone() for t in layers]
+    w.save(LoadBackMeta(stores={"a": StoreOp("a#store1", prompt, src)}), set())
+    assert w.drain(10.0) and w.stores_done == 1
+    for t in layers:                                # the destination blocks hold other KV
+        t[torch.tensor(dst)] = -3.0
+    failed = w.start_load(LoadBackMeta(loads={"b": LoadOp("b#load0", prompt, 0, n, dst)}))
+    assert failed == set() and w.loads_done == 1 and w.take_errors() == set()
+    for li, layer in enumerate(layers):
+        for j, (s, d) in enumerate(zip(src, dst)):
+            for off in range(BLOCK):                # every token, every head, K and V
+                got, want = flash_kv(layer, d, off), flash_kv(before[li], s, off)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), \
+                    (li, j * BLOCK + off)
+        for b in (0, 2, 62):                        # blocks outside the load unchanged
+            assert torch.equal(layer[b], before[li][b])
+
+
+def refused(layers, match: str, block_size: int = BLOCK):
+    with pytest.raises(UnsupportedKVPool, match=match) as exc:
+        PagedCUDAView(layers, LAYOUT, block_size, CHUNK)
+    assert "\n" not in str(exc.value)
+    return str(exc.value)
+
+
+def test_refusals_name_what_is_served_and_what_came():
+    good = vllm_layers(8, KVCacheLayout.LBNHC)
+    served = r"serves vLLM 0.32's CUDA layout \(FlashAttention"
+    msg = refused([torch.zeros(2, 8, BLOCK, HEADS, HEAD, dtype=DTYPE)] * LAYERS, served)
+    assert "(2, 8, 32, 2, 64)" in msg                             # the old [2, blocks, ...]
+    refused([t.view(8, HEADS, BLOCK * 2, HEAD) for t in
+             vllm_layers(8, KVCacheLayout.LBHNC)], served)         # CPU_ATTN's reading
+    refused([t.to(torch.float16) for t in good], r"float16 .*KV dtype torch.bfloat16 expected")
+    refused(good[:3] + [torch.empty(good[0].shape, dtype=DTYPE, device="meta")],
+            r"layer 3 .* on meta, layer 0 on cpu: the layers are on more than one device")
+    swapped = [torch.zeros(8, HEADS, 2 * HEAD, BLOCK, dtype=DTYPE).transpose(2, 3)] * LAYERS
+    refused(swapped, r"strides .*: K and V of a token are not \[heads, head_size\] rows")
+    bcast = [torch.zeros(1, HEADS, BLOCK, 2 * HEAD, dtype=DTYPE).expand(8, -1, -1, -1)] * LAYERS
+    refused(bcast, r"K and V of a token are not \[heads, head_size\] rows")
+    refused(good, served, block_size=48)                          # blocks of 32 read as 48
+    with pytest.raises(UnsupportedKVPool, match="registered 3 KV layers"):
+        PagedCUDAView(good[:3], LAYOUT, BLOCK, CHUNK)
+
+
+def test_the_worker_routes_cuda_layers_only():
+    """Production: CPU layers go to the CPU layout's view, which refuses this layout."""
+    from lmcache_loadback.engines.vllm.paged_cuda import paged_view
+
+    with pytest.raises(UnsupportedKVPool, match="its CUDA layout on CUDA"):
+        paged_view(vllm_layers(8, KVCacheLayout.LBNHC), LAYOUT, BLOCK, CHUNK)
