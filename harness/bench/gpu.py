@@ -40,6 +40,7 @@ from .gpu_contenders import (  # noqa: E402
 )
 from .gpu_daemon_ops import daemon_ops  # noqa: E402
 from .gpu_report import TARGETS, report, size_row, whole_path  # noqa: E402
+from .gpu_vllm import add_vllm_cuda  # noqa: E402
 
 __all__ = ["CHUNK", "LAYOUT", "MODEL", "NO_CUDA", "PICKLE_MAX_TOKENS", "SIZES", "SKIP", "T",
            "TARGETS", "Copy", "LMCache", "Ours", "drop", "page_slots", "run", "run_sizes",
@@ -55,6 +56,8 @@ WARMUP = 2
 #: One msgpack bin carries < 4 GiB: a pickle reply (or store) of more tokens cannot be sent,
 #: so ours-pickle runs only at sizes below that (16k of this layout); shm has no such limit.
 PICKLE_MAX_TOKENS = (2**32 - (64 << 20)) // LAYOUT.bytes_per_token // CHUNK * CHUNK
+#: Contenders dropped (named; the run exits 1) when they fail; ours raise.
+DROPPABLE = ("lmcache", "vllm")
 NO_CUDA = "bench gpu needs a CUDA device; none found (torch.cuda.is_available() is False)"
 
 
@@ -107,7 +110,7 @@ def _bench_size(n, contenders, toks, dst, perm, cap, dropped) -> dict[str, list[
             try:
                 dt = contenders[k].run(toks[:n], rid, dst, slots_for[k], n)
             except Exception as exc:
-                if not k.startswith("lmcache"):
+                if not k.startswith(DROPPABLE):
                     raise
                 drop(dropped, k, exc, f"timing at {n} tokens: ")
                 del contenders[k]
@@ -180,6 +183,7 @@ def run_sizes(sizes, dev: torch.device, *, lmcache: bool = True, samples: int = 
         b = _data(sizes, dev, ptop)
         _add_ours(b, d_shm, d_pickle, closers)
         b.contenders["copy"] = Copy(top * LAYOUT.bytes_per_token, dev)
+        add_vllm_cuda(b, d_shm.endpoint, closers, drop)
         if len(daemons) > 2:
             _add_lmcache(b, daemons[2], closers)
         result = _measure(b, sizes, samples, partial)
@@ -322,7 +326,7 @@ def _prove_size(b: _Bench, n: int) -> None:
         try:
             b.proofs[k].append(prove(k, c, b.toks, b.src, b.stored, b.dst, b.perm, n))
         except Exception as exc:
-            if not k.startswith("lmcache"):
+            if not k.startswith(DROPPABLE):
                 raise
             drop(b.dropped, k, exc, f"proof at {n} tokens: ")
             del b.contenders[k]

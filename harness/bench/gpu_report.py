@@ -32,6 +32,8 @@ def size_row(n, times) -> dict:
         row["cold_over_copy"] = ms["copy"] / ms["ours-shm-cold"]
     if "ours-pickle" in ms:
         row["pickle_over_copy"] = ms["copy"] / ms["ours-pickle"]
+    if "vllm-cuda" in ms:  # the vLLM connector's CUDA path into vLLM's blocks
+        row["vllm_cuda_vs_pinned"] = ms["copy"] / ms["vllm-cuda"]
     for k in ("lmcache", "lmcache-p256"):
         if k in ms:
             row[f"ours_over_{k}"] = ms[k] / ms["ours-shm"]
@@ -76,7 +78,7 @@ def report(rows, notes, dev) -> dict:
         print(f"{k:<15} = {fmt(v, 3):>7}   target >= {TARGETS[k]}   "
               f"{'MET' if met[k] else 'NOT MET'}")
     for k in ("p7_vs_lmcache", "cold_p7_ratio", "cold_p7_ratio_1k", "cold_p7_vs_lmcache",
-              "cold_e2e_vs_lmcache", "cold_e2e_bound_ratio"):
+              "cold_e2e_vs_lmcache", "cold_e2e_bound_ratio", "vllm_cuda_vs_pinned"):
         print(f"{k:<19} = {fmt(out[k], 3):>7}")
     return {**out, "targets": {k: f">= {v}" for k, v in TARGETS.items()}, "targets_met": met,
             "device": name, "torch": torch.__version__, "layout": {
@@ -99,6 +101,7 @@ def _print_table(rows, notes, name: str) -> None:
     body.append(["ours-shm / copy"] + [fmt(r["ours_over_copy"], 3) for r in rows])
     body.append(["ours-shm-cold / copy"] + [fmt(r.get("cold_over_copy"), 3) for r in rows])
     body.append(["ours-pickle / copy"] + [fmt(r.get("pickle_over_copy"), 3) for r in rows])
+    body.append(["vllm-cuda / copy"] + [fmt(r.get("vllm_cuda_vs_pinned"), 3) for r in rows])
     for k in ("lmcache", "lmcache-p256"):
         if k in notes:
             body.append([f"{k} / copy"] + [fmt(r.get(f"{k}_over_copy"), 3) for r in rows])
@@ -165,4 +168,6 @@ def _figures(rows) -> dict:
             "e2e_vs_lmcache": worst_all("e2e_vs_lmcache"),
             "e2e_bound_ratio": worst_all("e2e_bound_ratio"),
             "cold_e2e_vs_lmcache": worst_all("cold_e2e_vs_lmcache"),
-            "cold_e2e_bound_ratio": worst_all("cold_e2e_bound_ratio")}
+            "cold_e2e_bound_ratio": worst_all("cold_e2e_bound_ratio"),
+            # the vLLM connector's CUDA path (load + copy into vLLM's blocks) over the copy
+            "vllm_cuda_vs_pinned": worst("vllm_cuda_vs_pinned", rows)}
