@@ -20,6 +20,7 @@ from lmcache_loadback.metrics import LoadbackMetrics
 
 from .calls import Prefix, PrefixCalls
 from .config import ConfigError, LoadBackConfig
+from .handoff import HandOff
 from .instruments import product_metrics
 from .leases import Lease, RequestKey
 from .link import DaemonLink
@@ -61,7 +62,7 @@ def _owns_release(match):
     return owned
 
 
-class LoadBackOrchestrator:
+class LoadBackOrchestrator(HandOff):
     """Called by the SGLang backend (match_prefix/prefetch -> `match`, init_load_back ->
     `load_back`, a finished request -> `store` + `finish`, abort -> `abort`), the demo, the
     chaos harness, the benchmarks. A RETRIEVE is sent in `PrefixCalls.retrieve`, a failure

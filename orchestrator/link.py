@@ -59,6 +59,9 @@ class DaemonLink(DebtBook):
         self.metrics = metrics
         self._init_debts()
         self.registered_epoch: int | None = None
+        #: time.time() of the last registration (a LOOKUP answered before it may have been
+        #: an earlier daemon incarnation's: orchestrator.handoff)
+        self.registered_wall = 0.0
         self._suspect = threading.Event()  # a call went unanswered: re-register next tick
         self._skew_warned = float("-inf")  # when VersionSkew was last logged at WARNING
         self._late_seen = 0
@@ -237,6 +240,7 @@ class DaemonLink(DebtBook):
         elif old is None:
             log.info("daemon %s: registered (epoch %d)", self._endpoint, epoch)
         self.registered_epoch = epoch
+        self.registered_wall = time.time()
         mode = self.connector.transfer
         if mode in TRANSFER_MODES:  # auto decides again at every registration
             self.metrics.transfer_mode(mode)

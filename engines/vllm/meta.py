@@ -14,7 +14,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 @dataclass
 class LoadOp:
     """Load tokens [start, end) of the prompt into `block_ids` (one block per `block_size`
-    tokens of that range; `start` and `end` are block aligned, `end` chunk aligned)."""
+    tokens of that range; `start` and `end` are block aligned, `end` chunk aligned), under
+    the daemon session of the scheduler's LOOKUP, whose read locks the worker ranks now
+    release (orchestrator/handoff.py)."""
 
     session: str
     token_ids: list[int]      # the prompt's first `end` tokens (what the LOOKUP is keyed by)
@@ -22,6 +24,10 @@ class LoadOp:
     end: int
     block_ids: list[int]
     cache_salt: str = ""
+    #: False: nothing on the daemon backs these blocks (vLLM allocated tokens that were not
+    #: promised, or the LOOKUP's locks were released): the worker reports them as errors.
+    promised: bool = True
+    looked_up_at: float = 0.0  # wall clock when the LOOKUP was sent (handoff.adopt)
 
 
 @dataclass

@@ -15,14 +15,13 @@ import msgspec
 
 from lmcache_loadback.metrics import start_metrics_server
 from lmcache_loadback.orchestrator.factory import create_orchestrator
+from lmcache_loadback.orchestrator.handoff import wall_clock
 
 from .meta import LoadBackMeta, LoadOp, StoreOp
 from .settings import Settings
 
 log = logging.getLogger("loadback.vllm")
 
-#: steps after shipping a load before this side frees its LOOKUP's read locks
-RELEASE_AFTER_STEPS = 2
 #: LOOKUPs waiting for the worker thread at most; past it a request recomputes (a skipped
 #: LOOKUP) rather than queueing behind a daemon that does not answer
 MAX_QUEUED_LOOKUPS = 256
@@ -38,11 +37,12 @@ class Ask:
     end: int                  # the prompt tokens the LOOKUP covers (never the whole prompt)
     deadline: float
     salt: str = ""            # vLLM's cache_salt: KV of another salt is never shared
+    sent_at: float = 0.0      # wall clock just before its LOOKUP was sent (handoff.adopt)
     tokens: int = 0           # tokens to load beyond `local` (0: recompute)
     done: bool = False
     abandoned: bool = False   # nobody reads its answer: the worker thread releases it
-    used: bool = False        # its load was allocated and shipped
-    released: bool = False    # its LOOKUP's locks and session were given back
+    used: bool = False        # its load was allocated
+    released: bool = False    # its LOOKUP's locks and session were given back or handed off
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -77,8 +77,10 @@ class SchedulerSide:
         # and store is counted there. This process's series are served only on request
         # (loadback.scheduler_metrics_port): its prefixes end `unused` once their load is
         # handed to the worker, which a degraded-ratio alert must not read as failures.
-        cfg = msgspec.structs.replace(cfg, metrics=msgspec.structs.replace(cfg.metrics,
-                                                                           enabled=False))
+        # This process holds no KV: it never prepares a retrieve at match. Its LOOKUP is
+        # the request's only one: the worker ranks load under its session (handoff.py).
+        cfg = msgspec.structs.replace(cfg, prepare_at_match=False, metrics=msgspec.structs.replace(
+            cfg.metrics, enabled=False))
         # One LOOKUP per request for every TP rank (worker_id None, world size tp): it
         # read-locks each rank's shard of the hit chunks.
         self.orch = orchestrator or create_orchestrator(cfg, layout=settings.layout,
@@ -92,7 +94,6 @@ class SchedulerSide:
         self._salts: dict[str, str | None] = {}           # rid -> cache salt, None: not served
         self._failed: set[str] = set()
         self._loads: dict[str, LoadOp] = {}               # to ship with the next step
-        self._shipped: dict[str, tuple[int, Ask]] = {}    # rid -> (step, ask) to release
         self._load_blocks: dict[str, set[int]] = {}       # rid -> blocks of its load
         self._tracks: dict[str, Track] = {}
         self._step = 0
@@ -137,21 +138,22 @@ class SchedulerSide:
             return
         rid = request.request_id
         ask = self._asks.get(rid)
-        if ask is None or not ask.done or ask.used:
+        promised = (ask is not None and ask.done and not ask.used
+                    and num_external_tokens == ask.tokens)
+        if not promised:
             log.warning("%s: vLLM allocated %d external tokens this connector did not "
                         "promise; they are reported as load errors", rid, num_external_tokens)
-            local = 0 if ask is None else ask.local
-        else:
-            local = ask.local
+        local = 0 if ask is None else ask.local
+        if promised:
             ask.used = True
         end = local + num_external_tokens
         ids = list(blocks.get_block_ids()[0])
         bs = self.block_size
-        attempt = self._attempts.get(rid, 0)
-        self._loads[rid] = LoadOp(session=f"{rid}#load{attempt}",
+        self._loads[rid] = LoadOp(session=ask.session if ask is not None else f"{rid}#none",
                                   token_ids=list(request.prompt_token_ids[:end]), start=local,
                                   end=end, block_ids=ids[local // bs:-(-end // bs)],
-                                  cache_salt=self._salts.get(rid) or "")
+                                  cache_salt=self._salts.get(rid) or "", promised=promised,
+                                  looked_up_at=ask.sent_at if ask is not None else 0.0)
 
     def build_connector_meta(self, scheduler_output) -> LoadBackMeta:
         self._step += 1
@@ -163,13 +165,8 @@ class SchedulerSide:
         self._loads = {}
         for rid, op in meta.loads.items():
             self._load_blocks[rid] = set(op.block_ids)
-            ask = self._asks.get(rid)
-            if ask is not None and ask.used:
-                self._shipped[rid] = (self._step, ask)
-        for rid, (step, ask) in list(self._shipped.items()):
-            if self._step - step >= RELEASE_AFTER_STEPS:
-                del self._shipped[rid]
-                self._release(rid, ask)
+            if op.promised:
+                op.promised = self._hand_off(rid, op)
         self._collect_stores(scheduler_output, meta)
         return meta
 
@@ -189,7 +186,6 @@ class SchedulerSide:
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._drop(rid)
-        self._shipped.pop(rid, None)
         self._loads.pop(rid, None)
         self._load_blocks.pop(rid, None)
         self._tracks.pop(rid, None)
@@ -213,10 +209,7 @@ class SchedulerSide:
     def _submit(self, rid: str, token_ids: list[int], local: int, end: int, salt: str) -> Ask:
         attempt = self._attempts.get(rid, 0) + 1
         self._attempts[rid] = attempt
-        cfg = self.orch.config
-        budget = cfg.deadlines.lookup_ms / 1000
-        if cfg.prepare_at_match and self.orch.connector.transfer == "shm":
-            budget += cfg.deadlines.retrieve_s(end - local)  # match prepares the retrieve too
+        budget = self.orch.config.deadlines.lookup_ms / 1000
         ask = Ask(f"{rid}#ask{attempt}", local, end, time.monotonic() + budget, salt)
         self._asks[rid] = ask
         if self._q.qsize() >= MAX_QUEUED_LOOKUPS:
@@ -238,6 +231,7 @@ class SchedulerSide:
                 if ask.abandoned:
                     continue  # answered as a miss before it started: nothing taken
             tokens = 0
+            ask.sent_at = wall_clock()
             try:
                 tokens = self.orch.match(ask.session, token_ids, local_hit_tokens=ask.local,
                                          cache_salt=ask.salt).tokens
@@ -261,13 +255,23 @@ class SchedulerSide:
         ask = self._asks.pop(rid, None)
         if ask is None:
             return
-        if self._shipped.get(rid, (None, None))[1] is ask:
-            del self._shipped[rid]
         with ask.lock:
             running = not ask.done
             ask.done = ask.abandoned = True
         if not running and ask.tokens > 0:
             self._release(rid, ask)
+
+    def _hand_off(self, rid: str, op: LoadOp) -> bool:
+        """The shipped load's worker ranks load under this LOOKUP's session and release
+        what it locked: nothing of it is released here any more. False: the prefix is gone
+        here (its locks released), so the load cannot be served."""
+        ask = self._asks.get(rid)
+        if ask is None or ask.released or not self.orch.hand_off(ask.session, op.end):
+            log.info("%s: the LOOKUP behind this load is no longer held; load error, "
+                     "recomputed", rid)
+            return False
+        ask.released = True
+        return True
 
     def _release(self, rid: str, ask: Ask) -> None:
         if ask.tokens > 0 and not ask.released:

@@ -13,6 +13,7 @@ import msgspec
 import torch
 
 from lmcache_loadback.orchestrator.factory import create_orchestrator
+from lmcache_loadback.orchestrator.states import DegradeReason
 
 from .meta import LoadBackMeta, LoadOp, StoreOp
 from .paged import PagedCPUView, ordered_layers
@@ -84,19 +85,19 @@ class WorkerSide:
 
     def _load(self, op: LoadOp) -> bool:
         n = op.end - op.start
-        if self.orch is None or self.view is None or n <= 0 or n > self.view.staging_tokens \
-                or len(op.block_ids) * self.settings.block_size != n:
-            log.warning("%s: load of tokens [%d, %d) into %d blocks cannot be served; "
-                        "reported as a load error", op.session, op.start, op.end,
-                        len(op.block_ids))
-            return False
+        if not op.promised or self.orch is None or self.view is None:
+            return False  # nothing on the daemon backs it (logged by the scheduler side)
         try:
-            got = self.orch.match(op.session, op.token_ids, local_hit_tokens=op.start,
-                                  cache_salt=op.cache_salt)
-            if got.tokens != n:
-                log.info("%s: the daemon now holds %d of the %d promised tokens (%s); load "
-                         "error, recomputed", op.session, got.tokens, n,
-                         got.reason.value if got.reason else "miss")
+            # The scheduler's LOOKUP is the request's only one: load under its session, and
+            # release what it locked here whatever happens (finish, below).
+            self.orch.adopt(op.session, op.token_ids, local_hit_tokens=op.start,
+                            hit_tokens=op.end, looked_up_at=op.looked_up_at,
+                            cache_salt=op.cache_salt)
+            if n > self.view.staging_tokens or len(op.block_ids) * self.settings.block_size != n:
+                log.warning("%s: load of tokens [%d, %d) into %d blocks cannot be served; "
+                            "reported as a load error", op.session, op.start, op.end,
+                            len(op.block_ids))
+                self.orch.load_back(op.session, None, decline=DegradeReason.ALLOC_FAILED)
                 return False
             res = self.orch.load_back(op.session, self.view.slots(n))
             if res.loaded_tokens != n:

@@ -20,8 +20,10 @@ from lmcache_loadback.connectors.kv_layout import KVLayout
 from lmcache_loadback.engines.vllm import paged_cuda
 from lmcache_loadback.engines.vllm.meta import LoadBackMeta, LoadOp, StoreOp
 from lmcache_loadback.engines.vllm.paged_cuda import PagedCUDAView
+from lmcache_loadback.engines.vllm.scheduler import SchedulerSide
 from lmcache_loadback.engines.vllm.settings import from_vllm
 from lmcache_loadback.engines.vllm.worker import WorkerSide
+from lmcache_loadback.orchestrator.handoff import wall_clock
 
 from .conftest import CHUNK
 from .mini_engine import BLOCK, DTYPE, HEAD, HEADS, LAYERS, kv_cache_config, vllm_config
@@ -112,7 +114,17 @@ def test_store_then_load_is_byte_exact_where_flash_attention_reads(worker):
     assert w.drain(10.0) and w.stores_done == 1
     for t in layers:                                # the destination blocks hold other KV
         t[torch.tensor(dst)] = -3.0
-    failed = w.start_load(LoadBackMeta(loads={"b": LoadOp("b#load0", prompt, 0, n, dst)}))
+    # The scheduler side's LOOKUP, handed off: the worker loads under its session.
+    sched = SchedulerSide(w.settings)
+    try:
+        t = wall_clock()
+        assert sched.orch.wait_registered(30)
+        assert sched.orch.match("b#ask1", prompt[:n], local_hit_tokens=0).tokens == n
+        assert sched.orch.hand_off("b#ask1", n)
+    finally:
+        sched.close()
+    op = LoadOp("b#ask1", prompt, 0, n, dst, looked_up_at=t)
+    failed = w.start_load(LoadBackMeta(loads={"b": op}))
     assert failed == set() and w.loads_done == 1 and w.take_errors() == set()
     for li, layer in enumerate(layers):
         for j, (s, d) in enumerate(zip(src, dst)):

@@ -2,8 +2,8 @@
 
 Two spawned processes are vLLM's two worker ranks, each holding its KV heads (one of the tiny
 Llama's two) in vLLM's CPU layout; rank 0's process also holds the scheduler role and sends each
-step's metadata to rank 1 (as EngineCore sends it to every worker). One LOOKUP per request
-serves both ranks; each rank stores and loads its own shard byte-exact; a daemon killed between
+step's metadata to rank 1 (as EngineCore sends it to every worker). The scheduler's LOOKUP
+is the request's only one and serves both ranks; each rank stores and loads its own shard byte-exact; a daemon killed between
 LOOKUP and RETRIEVE fails the load on both ranks, which report the same blocks, with no rank
 waiting on the other; nothing is left held on the daemon.
 """
@@ -152,6 +152,10 @@ def _rank_body(rank, dist_port, yaml, daemon_pid, http_port) -> dict:
         dst = list(range(20, 27))
         report["load_errors"] = step("dst", dst)
         report["loads"] = worker.worker.loads_done
+        # the scheduler's LOOKUP was the request's only one: no rank sent its own
+        report["worker_lookups"] = sum(int(c._value.get()) for r, c in
+                                       worker.worker.orch.metrics._lookups.items()
+                                       if r != "skipped")
         report["exact"] = all(torch.equal(layer[src[j]].view(torch.int16),
                                           layer[dst[j]].view(torch.int16))
                               for j in range(HIT // BLOCK) for layer in layers)
@@ -181,6 +185,7 @@ def test_tp2_one_lookup_each_rank_its_shard(daemon, yaml_for):
     for r in reports:
         assert r["store_errors"] == [[], []] and r["stores"] == 1
         assert r["load_errors"] == [[], []] and r["loads"] == 1
+        assert r["worker_lookups"] == 0                      # the scheduler's LOOKUP served
         assert r["exact"]                                    # each rank's own head, bit for bit
     assert reports[0]["hit"] == HIT
     victim = [list(range(40, 40 + HIT // BLOCK))] * 2

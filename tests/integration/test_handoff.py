@@ -1,0 +1,136 @@
+"""One LOOKUP serving two processes (orchestrator/handoff.py) against the real daemon: one
+orchestrator LOOKUPs and hands off, another adopts and loads under the same session, sending
+no LOOKUP; whatever the adopter's outcome, the daemon is left holding nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.orchestrator import LoadBackOrchestrator, PrefixState
+from lmcache_loadback.orchestrator.handoff import wall_clock
+from tests.conftest import CHUNK, kv_of, same_kv
+
+from .test_orchestrator_daemon import Harness, config_for, wait_for
+
+pytestmark = [pytest.mark.daemon, pytest.mark.timeout(120)]
+
+
+def lookups_sent(orch: LoadBackOrchestrator) -> int:
+    return sum(int(c._value.get()) for r, c in orch.metrics._lookups.items() if r != "skipped")
+
+
+@pytest.fixture
+def pair(live_daemon, layout):
+    """The loader (a KV pool: vLLM's worker) and the asker (none: vLLM's scheduler)."""
+    loader = Harness(live_daemon, layout)
+    conn = LMCacheMPConnector(live_daemon.endpoint, layout, connect_timeout_s=0.2)
+    asker = LoadBackOrchestrator(config_for(live_daemon, prepare_at_match=False), conn)
+    assert loader.orch.wait_registered(10) and asker.wait_registered(10)
+    yield loader, asker
+    asker.close()
+    loader.close()
+
+
+def nothing_held(loader: Harness, asker: LoadBackOrchestrator) -> bool:
+    """Once both orchestrators paid what they owe (bounded), the daemon holds nothing."""
+    assert wait_for(lambda: not asker.pending_debts() and not loader.orch.pending_debts())
+    held = loader.daemon.held()
+    return held["read_locks"] == 0 and held["sessions"] == 0
+
+
+def ask(asker, rid: str, toks, local: int = 0) -> int:
+    return asker.match(rid, toks, local_hit_tokens=local).tokens
+
+
+def handed(loader: Harness, asker, rid: str, toks, hit: int, keep: int) -> None:
+    """The asker's LOOKUP (a hit of `hit` tokens) handed off for `keep` tokens, adopted."""
+    t = wall_clock()
+    assert ask(asker, rid, toks) == hit
+    assert loader.daemon.held()["read_locks"] > 0
+    assert asker.hand_off(rid, keep)
+    loader.orch.adopt(rid, toks, local_hit_tokens=0, hit_tokens=keep, looked_up_at=t)
+
+
+def test_adopted_lookup_loads_byte_exact_with_no_second_lookup(pair):
+    loader, asker = pair
+    toks, src = loader.stored(4 * CHUNK, seed=1)
+    t = wall_clock()
+    assert ask(asker, "r#ask1", toks, local=CHUNK // 2) == 4 * CHUNK - CHUNK // 2
+    assert asker.hand_off("r#ask1", 4 * CHUNK)
+    assert asker.state_of("r#ask1") is None          # nothing of it is the asker's any more
+    before = lookups_sent(loader.orch)
+    got = loader.orch.adopt("r#ask1", toks, local_hit_tokens=CHUNK // 2, hit_tokens=4 * CHUNK,
+                            looked_up_at=t)
+    assert got.tokens == 4 * CHUNK - CHUNK // 2 and got.state == PrefixState.MARKED
+    dst = loader.slots(got.tokens)
+    res = loader.orch.load_back("r#ask1", dst)
+    assert res.loaded_tokens == got.tokens
+    assert same_kv(kv_of(loader.pool, dst), kv_of(loader.pool, src[CHUNK // 2:]))
+    assert lookups_sent(loader.orch) == before
+    loader.orch.finish("r#ask1")
+    asker.finish("r#ask1")                            # a finish after the hand-off: a no-op
+    assert nothing_held(loader, asker)
+
+
+def test_adopter_that_never_loads_releases_the_lookup(pair):
+    loader, asker = pair
+    toks, _ = loader.stored(3 * CHUNK, seed=2)
+    handed(loader, asker, "a#ask1", toks, 3 * CHUNK, 3 * CHUNK)
+    loader.orch.abort("a#ask1")
+    assert loader.orch.state_of("a#ask1") is None
+    assert nothing_held(loader, asker)
+
+
+def test_hand_off_of_fewer_tokens_frees_the_rest_at_once(pair):
+    loader, asker = pair
+    toks, src = loader.stored(4 * CHUNK, seed=3)
+    handed(loader, asker, "s#ask1", toks, 4 * CHUNK, 2 * CHUNK)  # the engine took half
+    dst = loader.slots(2 * CHUNK)
+    assert loader.orch.load_back("s#ask1", dst).loaded_tokens == 2 * CHUNK
+    assert same_kv(kv_of(loader.pool, dst), kv_of(loader.pool, src[:2 * CHUNK]))
+    loader.orch.finish("s#ask1")
+    assert nothing_held(loader, asker)
+
+
+def test_only_a_marked_prefix_is_handed_off(pair):
+    loader, asker = pair
+    toks = loader.tokens(2 * CHUNK, seed=4)           # never stored: a miss
+    assert ask(asker, "m#ask1", toks) == 0
+    assert not asker.hand_off("m#ask1", 2 * CHUNK)
+    asker.finish("m#ask1")                            # a miss: its session ends here
+    stored, _ = loader.stored(2 * CHUNK, seed=5)
+    assert ask(asker, "k#ask1", stored) == 2 * CHUNK
+    assert not asker.hand_off("k#ask1", 3 * CHUNK)    # more than was locked
+    assert not asker.hand_off("k#ask1", 0)
+    asker.finish("k#ask1")                            # still the asker's: it releases
+    assert nothing_held(loader, asker)
+
+
+def test_adopt_refuses_what_no_lookup_can_have_locked(pair):
+    loader, _ = pair
+    toks = loader.tokens(2 * CHUNK, seed=7)
+    with pytest.raises(ValueError, match="chunk aligned"):
+        loader.orch.adopt("x", toks, local_hit_tokens=0, hit_tokens=CHUNK + 1, looked_up_at=0.0)
+    with pytest.raises(ValueError, match="within the 2"):
+        loader.orch.adopt("x", toks[:2], local_hit_tokens=0, hit_tokens=CHUNK, looked_up_at=0.0)
+    assert loader.orch.state_of("x") is None
+    assert loader.orch.load_back("x", torch.arange(CHUNK)).loaded_tokens == 0
+
+
+def test_locks_of_a_lookup_older_than_the_registration_are_never_freed(pair):
+    """Registered after the LOOKUP was sent: the locks may be an earlier daemon's, whose
+    chunks another reader may hold on this one; they are left to the daemon's TTL (so this
+    test runs last on its module's daemon)."""
+    loader, asker = pair
+    toks, _ = loader.stored(2 * CHUNK, seed=6)
+    assert ask(asker, "o#ask1", toks) == 2 * CHUNK
+    assert asker.hand_off("o#ask1", 2 * CHUNK)
+    p = loader.orch.adopt("o#ask1", toks, local_hit_tokens=0, hit_tokens=2 * CHUNK,
+                          looked_up_at=loader.orch.link.registered_wall - 1.0)
+    assert p.tokens == 2 * CHUNK
+    assert loader.orch._live["o#ask1"].lease.held is None
+    loader.orch.abort("o#ask1")
+    held = loader.settle()
+    assert held["read_locks"] > 0 and held["sessions"] == 0   # the locks: the daemon's TTL
