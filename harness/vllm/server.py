@@ -49,7 +49,10 @@ class VLLMServer:
     max_model_len: int = 2048
     python: str = sys.executable
     extra_args: list[str] = field(default_factory=list)
+    tp: int = 1                         # --tensor-parallel-size
+    env: dict[str, str] = field(default_factory=dict)   # over ENV
     proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    start_s: float = field(default=0.0, init=False)     # launch to /health 200
 
     @property
     def url(self) -> str:
@@ -63,17 +66,32 @@ class VLLMServer:
                "--port", str(self.port), "--load-format", "dummy", "--dtype", "bfloat16",
                "--enforce-eager", "--max-model-len", str(self.max_model_len),
                "--block-size", str(BLOCK_SIZE), "--no-enable-prefix-caching"]
+        if self.tp > 1:
+            cmd += ["--tensor-parallel-size", str(self.tp)]
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
         return cmd + list(self.extra_args)
 
+    def environment(self) -> dict[str, str]:
+        """ENV over os.environ, then `env`. Under TP the ranks' OpenMP threads are bound to the
+        cores but the last (rank r to core r mod (cores - 1)), which stays free for EngineCore,
+        the API server and the daemon: vLLM's automatic binding wants one NUMA node per rank,
+        and one rank per core of a 2-core machine starved the daemon (pings unanswered for
+        2.4 s, LOOKUPs past their deadline)."""
+        env = {**os.environ, **ENV}
+        if self.tp > 1:
+            cores = max(1, (os.cpu_count() or 1) - 1)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(self.tp))
+        return {**env, **self.env}
+
     def start(self, timeout_s: float = 180.0) -> "VLLMServer":
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env={**os.environ, **ENV},
+                                     stdin=subprocess.DEVNULL, env=self.environment(),
                                      start_new_session=True)
         log.close()
-        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode} during start; "
@@ -81,6 +99,7 @@ class VLLMServer:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
+                        self.start_s = time.monotonic() - t0
                         return self
             except (OSError, urllib.error.URLError):
                 pass
