@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import settings as _settings
+from . import stats as _stats
 from .meta import LoadBackMeta
 
 log = logging.getLogger("loadback.vllm")
@@ -42,11 +43,14 @@ class LoadBackConnector(KVConnectorBase_V1):
         self.settings = _settings.from_vllm(vllm_config, kv_cache_config)
         self.scheduler = self.worker = None
         self._failed_now: set[str] = set()
+        self._shipper = None  # this process's loadback_* snapshots for vLLM's /metrics
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import SchedulerSide
 
             _settings.warn_failure_policy(self.settings)
             self.scheduler = SchedulerSide(self.settings)
+            self._shipper = _stats.Shipper("scheduler", _registry(self.scheduler.orch),
+                                           _stats.SCHEDULER_FAMILIES)
         else:
             from .worker import WorkerSide
 
@@ -69,6 +73,7 @@ class LoadBackConnector(KVConnectorBase_V1):
             tp = get_tp_group()
             group, rank = tp.cpu_group, tp.rank_in_group
         self.worker.register(kv_caches, tp_group=group, rank=rank)
+        self._shipper = _stats.Shipper(f"rank{rank}", _registry(self.worker.orch))
 
     def _meta(self) -> LoadBackMeta | None:
         if not self.has_connector_metadata():
@@ -95,6 +100,20 @@ class LoadBackConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
 
+    # ------------------------------------------------------ vLLM's /metrics
+
+    def get_kv_connector_stats(self):
+        return self._shipper.take() if self._shipper is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return _stats.LoadBackStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return _stats.LoadBackPromMetrics(vllm_config, metric_types, labelnames,
+                                          per_engine_labelvalues)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()
 
@@ -120,3 +139,10 @@ class LoadBackConnector(KVConnectorBase_V1):
         for side in (self.scheduler, self.worker):
             if side is not None:
                 side.close()
+
+
+def _registry(orch):
+    """The registry to ship, or None in prometheus_client's multiprocess mode (vLLM with
+    several API servers), where vLLM's /metrics reads only the processes' mmap files."""
+    m = orch.metrics
+    return None if m.multiprocess else m.registry
