@@ -61,6 +61,10 @@ class SideResult(_SGLangSide):
         restart = self.restart_s if self.restart_s is not None else float("inf")
         outage = [s.latency_s for s in ok if kill <= s.sent_s < restart]
         after = [s for s in ok if s.sent_s >= restart and s.hit_tokens > 0]
+        # the load path as a user sees it: a request whose prompt was loaded from the daemon
+        # (ours: shared memory; LMCache's connector: pickled tensors) against one computed
+        hit = [s.latency_s for s in ok if s.hit_tokens > 0 and s.sent_s < kill]
+        miss = [s.latency_s for s in ok if s.hit_tokens == 0 and s.sent_s < kill]
         first: dict[int, str] = {}
         identical = all(first.setdefault(s.prompt_id, s.text) == s.text for s in ok)
         return {
@@ -69,6 +73,8 @@ class SideResult(_SGLangSide):
             "p99_s": round(percentile(lat, 99), 3) if lat else None,
             "max_s": round(max(lat), 3) if lat else None,
             "outage_max_s": round(max(outage), 3) if outage else None,
+            "hit_p50_s": round(median(hit), 4) if hit else None,
+            "miss_p50_s": round(median(miss), 4) if miss else None,
             "hits_before_kill": sum(1 for s in ok if s.sent_s < kill and s.hit_tokens > 0),
             "hits_after_restart": len(after),
             "recovery_s": round(min(s.sent_s for s in after) - restart, 2) if after else None,
@@ -138,6 +144,8 @@ def _send(server: VLLMServer, pid: int, at: float) -> Sent:
 ROWS = (("requests", "requests"), ("completed", "completed"), ("failed or timed out", "failed"),
         ("latency p50 (s)", "p50_s"), ("latency p99 (s)", "p99_s"), ("latency max (s)", "max_s"),
         ("latency max, daemon down (s)", "outage_max_s"),
+        ("latency p50, a loaded hit (s)", "hit_p50_s"),
+        ("latency p50, computed (s)", "miss_p50_s"),
         ("requests with a hit before the kill", "hits_before_kill"),
         ("requests with a hit after the restart", "hits_after_restart"),
         ("recovery: restart -> first hit (s)", "recovery_s"),
