@@ -103,11 +103,7 @@ class LoadBackConnector(KVConnectorBase_V1):
     # ------------------------------------------------------ vLLM's /metrics
 
     def get_kv_connector_stats(self):
-        if self._shipper is None:
-            return None
-        w = self.worker
-        return self._shipper.take(self.scheduler.lookups_done if w is None else (
-            w.loads_done, w.loads_failed, w.stores_done, w.stores_skipped))
+        return self._shipper.take() if self._shipper is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):

@@ -97,7 +97,6 @@ class SchedulerSide:
         self._load_blocks: dict[str, set[int]] = {}       # rid -> blocks of its load
         self._tracks: dict[str, Track] = {}
         self._step = 0
-        self.lookups_done = 0   # LOOKUPs answered (what changes this process's series)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="loadback-vllm-lookup",
@@ -242,7 +241,6 @@ class SchedulerSide:
                 late = ask.abandoned
                 if not late:
                     ask.tokens, ask.done = tokens, True
-            self.lookups_done += 1
             try:
                 if late:
                     self.orch.abort(ask.session)

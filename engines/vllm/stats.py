@@ -1,6 +1,6 @@
 """The `loadback_*` series on vLLM's own /metrics, through vLLM's KV connector stats: each
-process (the scheduler side, every worker rank) ships a snapshot of its registry while vLLM runs
-steps (in the step after it loaded, stored or LOOKUPed, else at most once a second); vLLM carries it to the API server, which exposes the latest
+process (the scheduler side, every worker rank) ships a snapshot of its registry at most once a
+second while vLLM runs steps; vLLM carries it to the API server, which exposes the latest
 snapshot of each process with vLLM's labels and `loadback_process` (docs/vllm.md, "Metrics").
 """
 
@@ -46,22 +46,22 @@ def snapshot(registry, families: frozenset[str] | None = None) -> Snapshot:
 
 
 class Shipper:
-    """One process's snapshots for `get_kv_connector_stats`: the first call ships, later ones
-    when `key` (a cheap summary of what the process did: loads and stores done, LOOKUPs
-    answered) changed, or every `SHIP_EVERY_S`; None in between."""
+    """One process's snapshots for `get_kv_connector_stats` (called every step): the first
+    call ships, later ones every `SHIP_EVERY_S`; None in between. A snapshot costs ~0.6 ms
+    and ~14 KB through vLLM's queues: shipped per step, it slowed a loaded hit measurably on
+    2 cores."""
 
     def __init__(self, process: str, registry, families: frozenset[str] | None = None) -> None:
         self.process = process
         self._registry = registry
         self._families = families
         self._next = 0.0
-        self._key: object = None
 
-    def take(self, key: object = None, now: float | None = None) -> "LoadBackStats | None":
+    def take(self, now: float | None = None) -> "LoadBackStats | None":
         now = time.monotonic() if now is None else now
-        if self._registry is None or (now < self._next and key == self._key):
+        if self._registry is None or now < self._next:
             return None
-        self._next, self._key = now + SHIP_EVERY_S, key
+        self._next = now + SHIP_EVERY_S
         return LoadBackStats(data={self.process: snapshot(self._registry, self._families)})
 
 

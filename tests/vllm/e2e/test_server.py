@@ -64,13 +64,18 @@ def test_outputs_identical_and_hits_load(stack, reference):
     assert degraded(mport) == timeouts
     report("hits", degraded_by_a_deadline=timeouts)
     assert loadback(mport + 1, "loadback_lookups_total", result="hit") >= len(PROMPTS)
-    # the same series on vLLM's own /metrics, by process (stats.py)
-    wait_until(lambda: metric_value(server.metrics_text(), "loadback_prefix_outcomes_total",
-                                    {"state": "loaded", "loadback_process": "rank0"})
-               == len(PROMPTS), what="the rank's loads on vLLM's /metrics")
+    # the same series on vLLM's own /metrics, by process (stats.py): a snapshot rides on a
+    # step at most once a second, so short requests (no whole chunk) make the steps
+    def on_vllms_metrics() -> bool:
+        server.complete(list(range(5, 105)), 1)
+        text = server.metrics_text()
+        return (metric_value(text, "loadback_prefix_outcomes_total",
+                             {"state": "loaded", "loadback_process": "rank0"}) == len(PROMPTS)
+                and metric_value(text, "loadback_lookups_total", {
+                    "result": "hit", "loadback_process": "scheduler"}) >= len(PROMPTS))
+    wait_until(on_vllms_metrics, what="the rank's loads and the scheduler's LOOKUPs on "
+               "vLLM's /metrics", poll_s=0.3)
     text = server.metrics_text()
-    assert metric_value(text, "loadback_lookups_total",
-                        {"result": "hit", "loadback_process": "scheduler"}) >= len(PROMPTS)
     assert metric_value(text, "loadback_prefix_outcomes_total",
                         {"loadback_process": "scheduler"}) == 0
     nothing_held(daemon, "after the hits")
