@@ -138,8 +138,10 @@ class SchedulerSide:
             return
         rid = request.request_id
         ask = self._asks.get(rid)
+        # vLLM may take fewer tokens than offered: whole chunks of them are still served
         promised = (ask is not None and ask.done and not ask.used
-                    and num_external_tokens == ask.tokens)
+                    and num_external_tokens <= ask.tokens
+                    and (ask.local + num_external_tokens) % self.chunk == 0)
         if not promised:
             log.warning("%s: vLLM allocated %d external tokens this connector did not "
                         "promise; they are reported as load errors", rid, num_external_tokens)

@@ -305,3 +305,25 @@ def test_lookups_queued_behind_a_stopped_daemon_are_bounded(engine, daemon, monk
     for rid in list(engine.requests):
         engine.finish(engine.requests[rid])
     wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")
+
+
+def test_fewer_tokens_than_offered_load_and_release_the_rest(engine, daemon):
+    """vLLM allocating whole chunks fewer than offered: those load byte-exact, the locks of
+    the rest are freed at hand-off; a count that is not whole chunks is a load error."""
+    stored(engine)
+    req = engine.request("few", PROMPT)
+    offered = engine.ask(req)
+    assert offered[0] == HIT
+    res = engine.prefill(req, ask=(HIT - CHUNK,) + offered[1:])
+    assert not res.load_errors and engine.worker.worker.loads_done == 1
+    for pos in (0, HIT - CHUNK - 1):
+        k, v = engine.token_kv("few", pos, 0)
+        assert bool((k == kv_value(PROMPT[pos], pos, 0)).all())
+    wait_until(lambda: released(daemon), what="the hand-off freeing the chunk not taken")
+    odd = engine.request("odd", PROMPT)
+    offered = engine.ask(odd)
+    res = engine.prefill(odd, ask=(HIT - BLOCK,) + offered[1:])
+    assert len(res.load_errors) == (HIT - BLOCK) // BLOCK   # reported, nothing loaded
+    engine.finish(req)
+    engine.finish(odd)
+    wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")
