@@ -40,9 +40,7 @@ class HandOff:
             self.sessions.take(request_id)  # the session's end is the adopter's
         self.calls.free(p, keep_tokens, p.hit_tokens)
         p.lease.forfeit()  # what is still locked is the adopter's to release
-        p.reason = DegradeReason.UNUSED
-        self._fire(p, "degrade")
-        self._record_outcome(p)
+        self._finish_degraded(p, DegradeReason.UNUSED)  # frees nothing more: forfeited
         return True
 
     def adopt(self, request_id: str, token_ids: Sequence[int], *, local_hit_tokens: int,
@@ -52,7 +50,7 @@ class HandOff:
         of `token_ids` for it. No call is sent; the prefix is marked at once, the same on
         every TP rank (each rank's reasons not to load join load_back's decision), and
         `load_back` then loads it. Its releases are this process's from here (`finish`,
-        `abort`). `looked_up_at` (time.time() when that LOOKUP was answered): if this
+        `abort`). `looked_up_at` (time.time() just before that LOOKUP was sent): if this
         process registered with the daemon after it, the locks may belong to an earlier
         daemon incarnation and are never freed from here (the daemon's read TTL ends
         them)."""
