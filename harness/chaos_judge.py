@@ -22,8 +22,9 @@ from .workload import Engine
 @dataclass
 class Result:
     """One scenario's verdict. hung: calls past their deadline + the slack
-    (`chaos.deadline_slack_s`), and engines stuck in a round; leaked: slots, read locks,
-    sessions, debts still owed; wrong bytes: loaded KV differing from a recompute; counters:
+    (`chaos.deadline_slack_s`) + what the machine took from them (run queue, host steal,
+    garbage collection: `testing.os_delay`), and engines stuck in a round; leaked: slots,
+    read locks, sessions, debts still owed; wrong bytes: loaded KV differing from a recompute; counters:
     metrics equal to the outcomes the engines saw; recovery: fault end -> first hit; and the
     daemon errors `expect_logged` names."""
 

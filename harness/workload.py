@@ -17,6 +17,7 @@ from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
 
 from lmcache_loadback.orchestrator.core import LoadBackOrchestrator
 from lmcache_loadback.orchestrator.states import PrefixState
+from lmcache_loadback.testing.os_delay import OsDelay
 
 
 class SlotAllocator:
@@ -85,8 +86,9 @@ class Tally:
     #: The most any match/load_back ran past its deadline, seconds (negative: the least headroom).
     worst_overshoot_s: float = -math.inf
     #: Where the worst call's time went (see `Engine._timed`): ms on this thread's CPU, waiting
-    #: for a CPU (the OS run queue), blocked (sleeping: socket poll, GIL, locks), and the CPU
-    #: other threads of this process used meanwhile.
+    #: for a CPU (the OS run queue), stolen by the host, in garbage collection (any thread),
+    #: blocked (sleeping: socket poll, GIL, locks), and the CPU other threads of this process
+    #: used meanwhile.
     worst_overshoot_detail: dict = field(default_factory=dict)
     first_hit_after: dict[str, float] = field(default_factory=dict)
     #: Loads whose KV this engine never sent to the daemon itself: another engine stored it.
@@ -144,17 +146,6 @@ def chunk_digests(token_ids: list[int], chunk: int) -> list[int]:
     return out
 
 
-def _thread_sched() -> tuple[int, int]:
-    """(ns on a CPU, ns runnable but waiting for one) of the calling thread; zeros where
-    /proc/thread-self/schedstat is missing."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            cpu, wait, _ = f.read().split()
-        return int(cpu), int(wait)
-    except (OSError, ValueError):
-        return 0, 0
-
-
 class Engine:
     """Drives one request at a time through match -> load_back -> prefill -> store -> finish.
 
@@ -164,9 +155,11 @@ class Engine:
 
     def __init__(self, orch: LoadBackOrchestrator, pool: KVPool, layout: KVLayout,
                  slots: SlotAllocator, *, deadline_slack_s: float = 0.005,
-                 abort_ratio: float = 0.05, seed: int = 0, name: str = "") -> None:
+                 abort_ratio: float = 0.05, seed: int = 0, name: str = "",
+                 os_delay=OsDelay) -> None:
         self.orch, self.pool, self.layout, self.slots = orch, pool, layout, slots
         self.slack = deadline_slack_s
+        self.os_delay = os_delay  # what measures the machine's share of a call (tests swap it)
         self.rng = random.Random(seed ^ 0x5EED)
         self.abort_ratio = abort_ratio
         self.name = name
@@ -176,25 +169,27 @@ class Engine:
         self.stored: set[int] = set()
 
     def _timed(self, op: str, deadline_s: float, fn, *args, **kwargs):
-        """Call `fn`, judge its return time against `deadline_s` (hung past it + slack), and
-        keep where the worst call's time went: an overshoot mostly spent waiting for a CPU
-        is the OS's; one spent blocked while other threads of ours ran is ours (GIL)."""
+        """Call `fn` and judge its return time against `deadline_s`: hung when it ran past
+        it by more than the slack plus what the machine took from it (`OsDelay`: waiting
+        for a CPU, the host's steal, garbage collection). Keeps where the worst call's time went: an overshoot
+        mostly spent waiting for a CPU is the OS's; one spent blocked while other threads
+        of ours ran is ours (GIL)."""
         t = self.tally
-        (cpu0, wait0), proc0 = _thread_sched(), time.process_time()
-        t0 = time.perf_counter()
-        result = fn(*args, **kwargs)
-        took = time.perf_counter() - t0
-        (cpu1, wait1), proc1 = _thread_sched(), time.process_time()
+        proc0 = time.process_time()
+        with self.os_delay() as d:
+            result = fn(*args, **kwargs)
+        took, proc1 = d.took_s, time.process_time()
         t.return_times.append(took)
         over = took - deadline_s
-        if over > self.slack:
+        if over - d.seconds > self.slack:
             t.hung += 1
         if over > t.worst_overshoot_s:
             t.worst_overshoot_s = over
-            own_ms, wait_ms = (cpu1 - cpu0) / 1e6, (wait1 - wait0) / 1e6
+            own_ms, wait_ms = d.cpu_s * 1e3, d.run_queue_s * 1e3
             t.worst_overshoot_detail = {
                 "op": op, "took_ms": took * 1e3, "deadline_ms": deadline_s * 1e3,
                 "own_cpu_ms": own_ms, "run_queue_wait_ms": wait_ms,
+                "steal_ms": d.steal_s * 1e3, "gc_ms": d.gc_s * 1e3,
                 "blocked_ms": max(0.0, took * 1e3 - own_ms - wait_ms),
                 "other_threads_cpu_ms": max(0.0, (proc1 - proc0) * 1e3 - own_ms)}
         return result, took

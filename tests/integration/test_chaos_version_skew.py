@@ -28,9 +28,10 @@ def test_version_skew_scenario_records_version_skew_then_recovers(capsys):
     assert "DaemonTimeout:register_kv_cache_engine_driven_context" not in r.errors_logged
     assert not r.missing_errors and r.leaked == 0 and r.wrong_bytes == 0 and r.counters_ok, r
     assert r.recovery_s is not None and r.loaded > 0  # registered once the skew was lifted
-    # The worst overshoot agrees with the hung count (calls past deadline + 5 ms); whether a
-    # loaded machine made a call overshoot is chaos's judgement, not this test's subject.
-    assert r.worst_overshoot_ms is not None and (r.hung > 0) == (r.worst_overshoot_ms > 5.0)
+    # The worst overshoot agrees with the hung count: a hung call ran past its deadline by more
+    # than 5 ms (plus what the machine took from it, which may excuse a larger overshoot);
+    # whether a loaded machine made a call overshoot is chaos's judgement, not this test's.
+    assert r.worst_overshoot_ms is not None and (r.hung == 0 or r.worst_overshoot_ms > 5.0)
     print_results([r])
     header = capsys.readouterr().out.splitlines()[0]
     assert "worst over ms" in header

@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from lmcache_loadback.harness.workload import Engine, _thread_sched
+from lmcache_loadback.harness.workload import Engine
+from lmcache_loadback.testing.os_delay import thread_sched
 
-pytestmark = pytest.mark.skipif(_thread_sched() == (0, 0), reason="needs /proc schedstat (Linux)")
+pytestmark = pytest.mark.skipif(thread_sched() == (0, 0), reason="needs /proc schedstat (Linux)")
 
 
 def _engine() -> Engine:

@@ -1,0 +1,105 @@
+"""The time the machine and the runtime, not the product, took from a call: how long the
+calling thread waited for a CPU (the OS run queue), how long the host kept this machine's
+virtual CPUs (steal), and how long Python's garbage collector stopped this process.
+
+Deadline judgements (tests, the chaos harness) allow a call to run past its deadline by a
+slack plus this delay: a call that waited on the daemon past its deadline is a hang; one the
+machine did not run is not. A full collection in a process the size of a test run (or an
+engine's) takes 100-150 ms here, and it holds the interpreter: every thread stops, whichever
+one triggered it. The OS figures are 0 where /proc lacks them (not Linux).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def thread_sched() -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for one) of the calling thread; zeros where
+    /proc/thread-self/schedstat is missing."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            cpu, wait, _ = f.read().split()
+        return int(cpu), int(wait)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def steal_ticks() -> list[int]:
+    """Steal per virtual CPU, in clock ticks since boot (/proc/stat's 8th field); [] where
+    missing."""
+    out = []
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if not line.startswith("cpu"):
+                    break
+                fields = line.split()
+                if fields[0] != "cpu" and len(fields) > 8:
+                    out.append(int(fields[8]))
+    except (OSError, ValueError):
+        return []
+    return out
+
+
+_gc = {"total_s": 0.0, "since": None}
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    # A collection holds the interpreter lock throughout: one at a time, process-wide.
+    if phase == "start":
+        _gc["since"] = time.perf_counter()
+    elif _gc["since"] is not None:
+        _gc["total_s"] += time.perf_counter() - _gc["since"]
+        _gc["since"] = None
+
+
+if _on_gc not in gc.callbacks:
+    gc.callbacks.append(_on_gc)
+
+
+def gc_seconds() -> float:
+    """Seconds this process spent in garbage collection since this module was imported."""
+    return _gc["total_s"]
+
+
+class OsDelay:
+    """`with OsDelay() as d: call()`, then `d.run_queue_s`, `d.steal_s`, `d.gc_s` and
+    `d.seconds` (their sum). Steal is the most any one virtual CPU lost meanwhile
+    (clock-tick resolution, 10 ms on most kernels): the thread ran on one of them at a time.
+    gc_s counts every collection in the process meanwhile, on any thread.
+
+    Also `d.cpu_s`, the calling thread's own time on a CPU, and `d.took_s`."""
+
+    run_queue_s = steal_s = gc_s = cpu_s = took_s = 0.0
+
+    def __enter__(self) -> "OsDelay":
+        self._steal0 = steal_ticks()
+        self._sched0 = thread_sched()
+        self._gc0 = gc_seconds()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.took_s = time.perf_counter() - self._t0
+        self.gc_s = gc_seconds() - self._gc0
+        cpu1, wait1 = thread_sched()
+        steal1 = steal_ticks()
+        self.cpu_s = (cpu1 - self._sched0[0]) / 1e9
+        self.run_queue_s = (wait1 - self._sched0[1]) / 1e9
+        if steal1 and len(steal1) == len(self._steal0):
+            self.steal_s = max(b - a for a, b in zip(self._steal0, steal1)) * _TICK_S
+
+    @property
+    def seconds(self) -> float:
+        return self.run_queue_s + self.steal_s + self.gc_s
+
+    def describe(self) -> str:
+        return (f"took {self.took_s * 1e3:.1f} ms: {self.cpu_s * 1e3:.1f} ms on a CPU, "
+                f"{self.run_queue_s * 1e3:.1f} ms waiting for one, "
+                f"{self.steal_s * 1e3:.0f} ms stolen by the host, "
+                f"{self.gc_s * 1e3:.1f} ms in garbage collection")
