@@ -10,7 +10,7 @@ import functools
 import logging
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -33,33 +33,36 @@ from .tp import TPAgreement
 log = logging.getLogger("loadback")
 
 
-def _owns_release(match):
-    """While `match` runs for a request id, its thread alone may release that id: an
-    abort/finish from another thread meanwhile (the hook's scheduler thread dropping a
-    LOOKUP its worker still runs) is only recorded, and carried out here once `match`
-    returned, after every call it made (see `_release`)."""
+def _owns_release(answer_released: Callable[[Any, Any], Any]):
+    """While the decorated call (match, load_back) runs for a request id, its thread alone
+    may release that id: an abort/finish/close from another thread meanwhile (the hook's
+    scheduler thread dropping a LOOKUP its worker still runs, an engine aborting a request
+    whose load runs elsewhere) is only recorded and returns at once; it is carried out here
+    once the call returned (see `_release`): the prefix ends once, after all the call did.
+    `answer_released(prefix or None, result)`: what the call returns then."""
 
-    @functools.wraps(match)
-    def owned(self, request_id: str, *args, **kwargs):
-        with self._lock:
-            owner = request_id not in self._matching  # a nested match defers to its owner
-            if owner:
-                self._matching[request_id] = None
-        if not owner:
-            return match(self, request_id, *args, **kwargs)
-        try:
-            result = match(self, request_id, *args, **kwargs)
-        finally:
+    def wrap(call):
+        @functools.wraps(call)
+        def owned(self, request_id: str, *args, **kwargs):
             with self._lock:
-                reason = self._matching.pop(request_id)
-                p = self._live.get(request_id)
-            if reason is not None:
-                self._release(request_id, reason)
-        if reason is None:
-            return result
-        return p.match_result() if p is not None else MatchResult()
+                owner = request_id not in self._owners  # a nested call defers to its owner
+                if owner:
+                    self._owners[request_id] = None
+            if not owner:
+                return call(self, request_id, *args, **kwargs)
+            try:
+                result = call(self, request_id, *args, **kwargs)
+            finally:
+                with self._lock:
+                    reason = self._owners.pop(request_id)
+                    p = self._live.get(request_id)
+                if reason is not None:
+                    self._release(request_id, reason)
+            return result if reason is None else answer_released(p, result)
 
-    return owned
+        return owned
+
+    return wrap
 
 
 class LoadBackOrchestrator(HandOff):
@@ -91,8 +94,9 @@ class LoadBackOrchestrator(HandOff):
         self.breaker = CircuitBreaker(config.breaker, clock=clock)
         self.break_even = BreakEvenGuard(config.break_even, connector.layout.bytes_per_token)
         self._live: dict[str, Prefix] = {}
-        # Requests inside match -> the release asked for meanwhile (None: none yet).
-        self._matching: dict[str, DegradeReason | None] = {}
+        # Requests inside match or load_back -> the release asked for meanwhile (None: none
+        # yet): `_owns_release`.
+        self._owners: dict[str, DegradeReason | None] = {}
         self._lock = threading.RLock()
         self._closed = False
         self._on_close: list[Callable[[], None]] = []
@@ -109,7 +113,7 @@ class LoadBackOrchestrator(HandOff):
 
     # ------------------------------------------------------------------ match
 
-    @_owns_release
+    @_owns_release(lambda p, _: p.match_result() if p is not None else MatchResult())
     def match(self, request_id: str, token_ids: Sequence[int], *, local_hit_tokens: int = 0,
               cache_salt: str = "") -> MatchResult:
         """How many tokens the engine may load beyond its local hit (`.tokens`, 0 =
@@ -179,6 +183,7 @@ class LoadBackOrchestrator(HandOff):
 
     # -------------------------------------------------------------- load_back
 
+    @_owns_release(lambda _, loaded: loaded)  # the load's own outcome: the slots hold that
     def load_back(self, request_id: str, slots: torch.Tensor | None, *,
                   decline: DegradeReason | None = None) -> LoadResult:
         """RETRIEVE the promised tokens into `slots` (one slot per promised token) within
@@ -256,12 +261,13 @@ class LoadBackOrchestrator(HandOff):
 
     def _release(self, request_id: str, reason: DegradeReason) -> None:
         """One thread releases a request id: the prefix and the session are taken out under
-        the lock (a second release finds nothing), and while match runs for the id the
-        release is left to match's own thread (`_owns_release`), so nothing match does
-        afterwards (a LOOKUP's lock free, a prepared range) outlives the release."""
+        the lock (a second release finds nothing), and while match or load_back runs for
+        the id the release is left to that call's own thread (`_owns_release`), so nothing
+        the call does afterwards (a LOOKUP's lock free, a prepared range, a copy) outlives
+        the release."""
         with self._lock:
-            if request_id in self._matching:
-                self._matching[request_id] = self._matching[request_id] or reason
+            if request_id in self._owners:
+                self._owners[request_id] = self._owners[request_id] or reason
                 return
             p = self._live.pop(request_id, None)
             ended = self.sessions.take(request_id)

@@ -9,7 +9,6 @@ and the end of the session (docs/vllm.md, "One LOOKUP per request").
 from __future__ import annotations
 
 import logging
-import time
 from typing import Sequence
 
 from .calls import Prefix
@@ -32,7 +31,7 @@ class HandOff:
         marked prefix to hand off (nothing is then held for it here)."""
         with self._lock:
             p = self._live.get(request_id)
-            if (p is None or request_id in self._matching
+            if (p is None or request_id in self._owners
                     or p.state != PrefixState.MARKED.value or p.prepared is not None
                     or keep_tokens <= p.retrieve_from or keep_tokens > p.hit_tokens):
                 return False
@@ -50,7 +49,7 @@ class HandOff:
         of `token_ids` for it. No call is sent; the prefix is marked at once, the same on
         every TP rank (each rank's reasons not to load join load_back's decision), and
         `load_back` then loads it. Its releases are this process's from here (`finish`,
-        `abort`). `looked_up_at` (time.time() just before that LOOKUP was sent): if this
+        `abort`). `looked_up_at` (wall_clock() just before that LOOKUP was sent): if this
         process registered with the daemon after it, the locks may belong to an earlier
         daemon incarnation and are never freed from here (the daemon's read TTL ends
         them)."""
@@ -79,8 +78,3 @@ class HandOff:
         self._fire(p, "hit")
         self._fire(p, "mark")
         return p.match_result()
-
-
-def wall_clock() -> float:
-    """The clock `adopt`'s `looked_up_at` is read on: shared by processes of one host."""
-    return time.time()

@@ -18,7 +18,7 @@ from lmcache_loadback.metrics.instruments import TRANSFER_MODES
 
 from .config import LoadBackConfig
 from .debts import DebtBook
-from .policies import BreakerState, CircuitBreaker
+from .policies import BreakerState, CircuitBreaker, wall_clock
 from .state_log import StateLog
 
 log = logging.getLogger("loadback")
@@ -59,7 +59,7 @@ class DaemonLink(DebtBook):
         self.metrics = metrics
         self._init_debts()
         self.registered_epoch: int | None = None
-        #: time.time() of the last registration (a LOOKUP answered before it may have been
+        #: wall_clock() of the last registration (a LOOKUP answered before it may have been
         #: an earlier daemon incarnation's: orchestrator.handoff)
         self.registered_wall = 0.0
         self._suspect = threading.Event()  # a call went unanswered: re-register next tick
@@ -240,7 +240,7 @@ class DaemonLink(DebtBook):
         elif old is None:
             log.info("daemon %s: registered (epoch %d)", self._endpoint, epoch)
         self.registered_epoch = epoch
-        self.registered_wall = time.time()
+        self.registered_wall = wall_clock()
         mode = self.connector.transfer
         if mode in TRANSFER_MODES:  # auto decides again at every registration
             self.metrics.transfer_mode(mode)

@@ -16,6 +16,11 @@ from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector  # noqa: E
 CHUNK = 16
 
 
+def lookups_sent(orch) -> int:
+    """LOOKUP results `orch` counted (every one but `skipped`: the breaker or no daemon)."""
+    return sum(int(c._value.get()) for r, c in orch.metrics._lookups.items() if r != "skipped")
+
+
 def make_pool(layout: KVLayout, num_slots: int = 4096, *, fill: bool = True) -> KVPool:
     """An SGLang-shaped pool: per layer K and V `[num_slots, heads, head_dim]`."""
     shape = (num_slots, layout.num_heads, layout.head_dim)

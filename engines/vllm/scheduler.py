@@ -15,7 +15,7 @@ import msgspec
 
 from lmcache_loadback.metrics import start_metrics_server
 from lmcache_loadback.orchestrator.factory import create_orchestrator
-from lmcache_loadback.orchestrator.handoff import wall_clock
+from lmcache_loadback.orchestrator.policies import wall_clock
 
 from .meta import LoadBackMeta, LoadOp, StoreOp
 from .settings import Settings

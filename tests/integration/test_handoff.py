@@ -9,16 +9,12 @@ import torch
 
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from lmcache_loadback.orchestrator import LoadBackOrchestrator, PrefixState
-from lmcache_loadback.orchestrator.handoff import wall_clock
-from tests.conftest import CHUNK, kv_of, same_kv
+from lmcache_loadback.orchestrator.policies import wall_clock
+from tests.conftest import CHUNK, kv_of, lookups_sent, same_kv
 
 from .test_orchestrator_daemon import Harness, config_for, wait_for
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(120)]
-
-
-def lookups_sent(orch: LoadBackOrchestrator) -> int:
-    return sum(int(c._value.get()) for r, c in orch.metrics._lookups.items() if r != "skipped")
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ import torch
 
 from lmcache_loadback.connectors.ports import free_port
 
+from tests.conftest import lookups_sent
+
 from .conftest import CHUNK
 from .mini_engine import BLOCK, LAYERS, MiniEngine, kv_value
 from .waiting import wait_until
@@ -46,16 +48,10 @@ def stored(eng: MiniEngine, rid: str = "src"):
     return req, res.blocks[rid]
 
 
-def lookups_sent(side) -> int:
-    """LOOKUPs this side's orchestrator sent (every result but `skipped`)."""
-    return sum(int(c._value.get()) for r, c in side.orch.metrics._lookups.items()
-               if r != "skipped")
-
-
 def test_store_then_load_is_byte_exact_into_other_blocks(engine, daemon):
     src, src_blocks = stored(engine)
     sched, worker = engine.sched.scheduler, engine.worker.worker
-    before = lookups_sent(sched)
+    before = lookups_sent(sched.orch)
     dst = engine.request("dst", PROMPT)
     ask = engine.ask(dst)
     assert ask[0] == HIT
@@ -63,7 +59,7 @@ def test_store_then_load_is_byte_exact_into_other_blocks(engine, daemon):
     assert not res.load_errors and worker.loads_done == 1
     # One LOOKUP for the request: the scheduler's; the worker loaded under its session and
     # released what it locked (nothing is held while dst still runs).
-    assert lookups_sent(sched) == before + 1 and lookups_sent(worker) == 0
+    assert lookups_sent(sched.orch) == before + 1 and lookups_sent(worker.orch) == 0
     wait_until(lambda: released(daemon), what="the worker releasing the scheduler's LOOKUP")
     dst_blocks = res.blocks["dst"]
     assert not set(dst_blocks) & set(src_blocks)

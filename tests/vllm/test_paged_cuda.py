@@ -23,7 +23,7 @@ from lmcache_loadback.engines.vllm.paged_cuda import PagedCUDAView
 from lmcache_loadback.engines.vllm.scheduler import SchedulerSide
 from lmcache_loadback.engines.vllm.settings import from_vllm
 from lmcache_loadback.engines.vllm.worker import WorkerSide
-from lmcache_loadback.orchestrator.handoff import wall_clock
+from lmcache_loadback.orchestrator.policies import wall_clock
 
 from .conftest import CHUNK
 from .mini_engine import BLOCK, DTYPE, HEAD, HEADS, LAYERS, kv_cache_config, vllm_config
