@@ -239,19 +239,23 @@ def _add_sglang_demo(sub) -> None:
     p.set_defaults(fn=_run_tool("lmcache_loadback.harness.sglang.demo"))
 
 
+_BENCH_MODULES = {"vllm": "vllm_load"}
+
+
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator), "
-                       "gpu (CUDA KV pool)",
+                       "gpu (CUDA KV pool), vllm (vLLM CPU load path)",
                        description="Exits 1 when a target is missed or a contender dropped, "
                        "and bench gpu on a host without CUDA.")
-    p.add_argument("suite", choices=["client", "core", "gpu"],
+    p.add_argument("suite", choices=["client", "core", "gpu", "vllm"],
                    help="client: the wire client against LMCache's; core: the orchestrator's "
-                   "own cost and deadline keeping; gpu: load-back into a CUDA KV pool")
+                   "own cost and deadline keeping; gpu: load-back into a CUDA KV pool; vllm: "
+                   "the vLLM worker's load into its CPU paged cache against LMCache's own")
     p.add_argument("--json", metavar="FILE", help="also write the figures and verdicts")
     p.add_argument("--samples", type=_count(0), default=0, metavar="N",
                    help="samples per point (0 = the suite's default)")
     p.set_defaults(fn=lambda a: importlib.import_module(
-        f"lmcache_loadback.harness.bench.{a.suite}").run(a))
+        f"lmcache_loadback.harness.bench.{_BENCH_MODULES.get(a.suite, a.suite)}").run(a))
 
 
 def _add_chaos(sub) -> None:
