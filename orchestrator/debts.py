@@ -72,6 +72,8 @@ class DebtBook:
         self.stale_dropped = 0  # debts of an old daemon incarnation, never sent
         self.given_up = 0  # debts out of tries (or unsafe to repeat), never paid
         self._debts: list[Debt] = []
+        #: The pass now paying (its queue and what it keeps): still owed until paid.
+        self._paying: tuple[deque, list] = (deque(), [])
         self._lock = threading.Lock()
         self._pay_lock = threading.Lock()  # one payer at a time keeps each request's order
         self._release_wake = threading.Event()
@@ -96,8 +98,12 @@ class DebtBook:
             self._queue(debt)
 
     def pending(self, request_id: str | None = None) -> int:
+        """Debts not yet paid, those a pass is paying now included (a call in flight
+        is owed until it returned)."""
         with self._lock:
-            return sum(1 for d in self._debts if request_id in (None, d.request_id))
+            todo, keep = self._paying
+            return sum(1 for d in (*self._debts, *todo, *keep)
+                       if request_id in (None, d.request_id))
 
     def _queue(self, debt: Debt) -> None:
         with self._lock:
@@ -188,24 +194,28 @@ class DebtBook:
         debt waits only for its `ready` (a copy in flight): look again soon."""
         timeout_s = self.control_s if timeout_s is None else timeout_s
         with self._pay_lock:
+            keep: list[Debt] = []
             with self._lock:
                 todo, self._debts = deque(self._debts), []
-            keep: list[Debt] = []
+                self._paying = (todo, keep)
             blocked: set[str] = set()
             waiting = False
             try:
                 while todo:
                     d = todo[0]
-                    if d.request_id in blocked:
-                        keep.append(d)
-                    elif not self._stale(d):
+                    kept = d.request_id in blocked
+                    if not kept and not self._stale(d):
                         step = self._step(d, timeout_s)
                         if step != _PAID:
-                            keep.append(d)
+                            kept = True
                             blocked.add(d.request_id)
                             waiting = waiting or step == _WAIT
-                    todo.popleft()
+                    with self._lock:  # pending() reads both: move it under the lock
+                        if kept:
+                            keep.append(d)
+                        todo.popleft()
             finally:  # even a bug in this loop loses no debt
                 with self._lock:
                     self._debts = keep + list(todo) + self._debts
+                    self._paying = (deque(), [])
             return waiting

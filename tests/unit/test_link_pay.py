@@ -164,3 +164,29 @@ def test_the_releaser_pays_within_milliseconds_of_ready_not_a_heartbeat_later():
         assert link.pending() == 0
     finally:
         link.stop_threads()
+
+
+def test_a_debt_being_paid_is_still_pending_until_its_call_returned():
+    """pending() counts the pass in flight: a caller waiting for "nothing owed" (settle, the
+    status page) must not read 0 while a session end is on its way to the daemon."""
+    link = _link()
+    in_call, go = threading.Event(), threading.Event()
+
+    def run(_timeout_s: float) -> bool:
+        in_call.set()
+        assert go.wait(10)
+        return True
+
+    e = Debt("end_session", "r1", link.connector.epoch, run, True, None)
+    other = Debt("free_locks", "r2", link.connector.epoch, lambda _t: True, False, None)
+    link._queue(e)
+    link._queue(other)
+    payer = threading.Thread(target=link.pay)
+    payer.start()
+    try:
+        assert in_call.wait(10)
+        assert link.pending() == 2 and link.pending("r1") == 1 and link.pending("r2") == 1
+    finally:
+        go.set()
+        payer.join(10)
+    assert not payer.is_alive() and link.pending() == 0
