@@ -57,7 +57,9 @@ def test_a_thread_sharing_its_cpu_with_a_busy_process_shows_the_run_queue_wait()
 def test_an_idle_wait_is_neither_run_queue_nor_cpu():
     with OsDelay() as d:
         time.sleep(0.05)
-    assert d.took_s >= 0.05 and d.cpu_s < 0.01 and d.run_queue_s < 0.02, d.describe()
+    # Asleep is neither: only a wake-up may wait for a CPU (longer on a loaded machine).
+    assert d.took_s >= 0.05 and d.cpu_s < 0.01, d.describe()
+    assert d.run_queue_s <= d.took_s - 0.04, d.describe()
 
 
 def test_steal_is_read_per_virtual_cpu():
