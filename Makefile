@@ -17,7 +17,7 @@ SGLANG_ENV := PYTHONPATH=$(CURDIR)/harness/sglang/stubs HF_HUB_OFFLINE=1
 # build side by side.
 EDITABLE = mkdir -p build && flock build/.editable.lock
 
-.PHONY: venv sglang-envs vllm-env prometheus-tools demo demo-sim test chaos bench clean
+.PHONY: venv sglang-envs vllm-env prometheus-tools demo demo-sim test chaos bench bench-vllm clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -106,6 +106,10 @@ chaos: venv
 bench: venv
 	$(BIN)/loadback bench client
 	$(BIN)/loadback bench core
+
+# The vLLM worker's load path on CPU (vLLM's paged layout), ours beside LMCache's own client.
+bench-vllm: vllm-env
+	.venv-vllm/bin/loadback bench vllm
 
 clean:
 	rm -rf $(VENV) build *.egg-info
