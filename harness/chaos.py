@@ -322,7 +322,8 @@ def print_results(results: list[Result]) -> None:
         if r.hung and d:
             print(f"  {r.name}: worst call, {d['op']}, {d['took_ms']:.1f} ms against a "
                   f"{d['deadline_ms']:.0f} ms deadline: {d['run_queue_wait_ms']:.1f} ms waiting "
-                  f"for a CPU (OS run queue), {d['steal_ms']:.0f} ms stolen by the host, "
+                  f"for a CPU (OS run queue; other threads {d['others_run_queue_ms']:.1f} ms), "
+                  f"{d['steal_ms']:.0f} ms stolen by the host, "
                   f"{d['gc_ms']:.1f} ms in garbage collection, "
                   f"{d['own_cpu_ms']:.1f} ms on its CPU, "
                   f"{d['blocked_ms']:.1f} ms blocked while this process's other threads used "

@@ -171,7 +171,7 @@ class Engine:
     def _timed(self, op: str, deadline_s: float, fn, *args, **kwargs):
         """Call `fn` and judge its return time against `deadline_s`: hung when it ran past
         it by more than the slack plus what the machine took from it (`OsDelay`: waiting
-        for a CPU, the host's steal, garbage collection). Keeps where the worst call's time went: an overshoot
+        for a CPU, this process's other threads too, the host's steal, garbage collection). Keeps where the worst call's time went: an overshoot
         mostly spent waiting for a CPU is the OS's; one spent blocked while other threads
         of ours ran is ours (GIL)."""
         t = self.tally
@@ -189,6 +189,7 @@ class Engine:
             t.worst_overshoot_detail = {
                 "op": op, "took_ms": took * 1e3, "deadline_ms": deadline_s * 1e3,
                 "own_cpu_ms": own_ms, "run_queue_wait_ms": wait_ms,
+                "others_run_queue_ms": d.others_run_queue_s * 1e3,
                 "steal_ms": d.steal_s * 1e3, "gc_ms": d.gc_s * 1e3,
                 "blocked_ms": max(0.0, took * 1e3 - own_ms - wait_ms),
                 "other_threads_cpu_ms": max(0.0, (proc1 - proc0) * 1e3 - own_ms)}

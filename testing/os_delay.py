@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
@@ -27,6 +28,23 @@ def thread_sched() -> tuple[int, int]:
         return int(cpu), int(wait)
     except (OSError, ValueError):
         return 0, 0
+
+
+def threads_run_queue_ns() -> dict[int, int]:
+    """ns each thread of this process has waited for a CPU since it started, by thread id;
+    {} where /proc/self/task is missing."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+    return out
 
 
 def steal_ticks() -> list[int]:
@@ -68,16 +86,21 @@ def gc_seconds() -> float:
 
 
 class OsDelay:
-    """`with OsDelay() as d: call()`, then `d.run_queue_s`, `d.steal_s`, `d.gc_s` and
-    `d.seconds` (their sum). Steal is the most any one virtual CPU lost meanwhile
-    (clock-tick resolution, 10 ms on most kernels): the thread ran on one of them at a time.
-    gc_s counts every collection in the process meanwhile, on any thread.
+    """`with OsDelay() as d: call()`, then `d.run_queue_s`, `d.others_run_queue_s`,
+    `d.steal_s`, `d.gc_s` and `d.seconds` (their sum). Steal is the most any one virtual CPU
+    lost meanwhile (clock-tick resolution, 10 ms on most kernels): the thread ran on one of
+    them at a time. gc_s counts every collection in the process meanwhile, on any thread.
+    others_run_queue_s is what this process's other threads waited for a CPU meanwhile,
+    summed (an upper bound on what the call lost to them): one of them may hold the
+    interpreter lock the call waits for (the heartbeat, the releaser), and while the OS does
+    not run it, the call waits too.
 
     Also `d.cpu_s`, the calling thread's own time on a CPU, and `d.took_s`."""
 
-    run_queue_s = steal_s = gc_s = cpu_s = took_s = 0.0
+    run_queue_s = others_run_queue_s = steal_s = gc_s = cpu_s = took_s = 0.0
 
     def __enter__(self) -> "OsDelay":
+        self._threads0 = threads_run_queue_ns()
         self._steal0 = steal_ticks()
         self._sched0 = thread_sched()
         self._gc0 = gc_seconds()
@@ -89,6 +112,11 @@ class OsDelay:
         self.gc_s = gc_seconds() - self._gc0
         cpu1, wait1 = thread_sched()
         steal1 = steal_ticks()
+        me = threading.get_native_id()
+        threads1 = threads_run_queue_ns()
+        # A thread started meanwhile counts whole; one that ended meanwhile is not seen.
+        self.others_run_queue_s = sum(
+            w - self._threads0.get(t, 0) for t, w in threads1.items() if t != me) / 1e9
         self.cpu_s = (cpu1 - self._sched0[0]) / 1e9
         self.run_queue_s = (wait1 - self._sched0[1]) / 1e9
         if steal1 and len(steal1) == len(self._steal0):
@@ -96,10 +124,11 @@ class OsDelay:
 
     @property
     def seconds(self) -> float:
-        return self.run_queue_s + self.steal_s + self.gc_s
+        return self.run_queue_s + self.others_run_queue_s + self.steal_s + self.gc_s
 
     def describe(self) -> str:
         return (f"took {self.took_s * 1e3:.1f} ms: {self.cpu_s * 1e3:.1f} ms on a CPU, "
-                f"{self.run_queue_s * 1e3:.1f} ms waiting for one, "
+                f"{self.run_queue_s * 1e3:.1f} ms waiting for one "
+                f"(its process's other threads: {self.others_run_queue_s * 1e3:.1f} ms), "
                 f"{self.steal_s * 1e3:.0f} ms stolen by the host, "
                 f"{self.gc_s * 1e3:.1f} ms in garbage collection")

@@ -24,7 +24,7 @@ def test_scenario_keeps_every_invariant(name, requests):
     (scn,) = load_scenarios(name)
     r = run_scenario(scn, requests)
     assert r.requests == requests
-    assert r.hung == 0, r
+    assert r.hung == 0, (r.worst_overshoot_ms, r.worst_overshoot_detail, r)
     assert r.leaked == 0, r.leaks
     assert r.wrong_bytes == 0
     assert r.counters_ok, r.counter_mismatches

@@ -3,6 +3,7 @@ chaos judge and the deadline tests excuse exactly that much, no more."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -30,27 +31,61 @@ def _hog(cpu: int, ready, stop) -> None:
         pass
 
 
-@linux
-def test_a_thread_sharing_its_cpu_with_a_busy_process_shows_the_run_queue_wait():
+@contextlib.contextmanager
+def busy_cpu():
+    """A process spinning on one CPU (this thread's first), until the block ends."""
     cpu = sorted(os.sched_getaffinity(0))[0]
-    before = os.sched_getaffinity(0)
     ctx = multiprocessing.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
     hog = ctx.Process(target=_hog, args=(cpu, ready, stop), daemon=True)
     hog.start()
     try:
         assert ready.wait(30), "the busy process never started"
-        os.sched_setaffinity(0, {cpu})  # this thread only, on the hog's CPU
-        with OsDelay() as d:
-            _spin_cpu(0.1)
+        yield cpu
     finally:
-        os.sched_setaffinity(0, before)
         stop.set()
         hog.join(10)
+
+
+@linux
+def test_a_thread_sharing_its_cpu_with_a_busy_process_shows_the_run_queue_wait():
+    before = os.sched_getaffinity(0)
+    with busy_cpu() as cpu:
+        os.sched_setaffinity(0, {cpu})  # this thread only, on the hog's CPU
+        try:
+            with OsDelay() as d:
+                _spin_cpu(0.1)
+        finally:
+            os.sched_setaffinity(0, before)
     # Half the CPU each (CFS): about as long waiting as working.
     assert d.cpu_s == pytest.approx(0.1, abs=0.02)
     assert d.run_queue_s >= 0.03, d.describe()
     assert d.seconds >= d.run_queue_s and d.took_s >= d.cpu_s + d.run_queue_s - 0.01
+
+
+@linux
+def test_another_thread_of_the_process_kept_off_its_cpu_counts_too():
+    """The call sleeps; another thread of this process (pinned beside the busy process, as
+    a heartbeat holding the interpreter lock might be) waits for a CPU meanwhile."""
+    spun, done = threading.Event(), threading.Event()
+
+    def other(cpu: int) -> None:
+        os.sched_setaffinity(0, {cpu})
+        _spin_cpu(0.1)
+        spun.set()
+        done.wait(30)  # alive until the measurement ended (an ended thread is not seen)
+
+    with busy_cpu() as cpu:
+        th = threading.Thread(target=other, args=(cpu,))
+        try:
+            with OsDelay() as d:
+                th.start()
+                assert spun.wait(30)
+        finally:
+            done.set()
+            th.join(30)
+    assert d.others_run_queue_s >= 0.03 and d.run_queue_s < d.others_run_queue_s, d.describe()
+    assert d.seconds >= d.others_run_queue_s
 
 
 @linux
@@ -76,7 +111,7 @@ class _Took:
 
     def __init__(self, took_s: float, run_queue_s: float, steal_s: float, gc_s: float) -> None:
         self.took_s, self.run_queue_s, self.steal_s, self.gc_s = took_s, run_queue_s, steal_s, gc_s
-        self.cpu_s = 0.0
+        self.cpu_s = self.others_run_queue_s = 0.0
 
     def __call__(self):
         return self
