@@ -7,6 +7,7 @@ judged (harness/chaos_judge.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
@@ -24,6 +25,7 @@ from lmcache_loadback.orchestrator.core import LoadBackOrchestrator
 from lmcache_loadback.orchestrator.instruments import product_metrics
 from lmcache_loadback.testing.daemon import DaemonProcess, free_port
 from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
+from lmcache_loadback.testing.os_delay import OsDelay
 
 from .bench.common import progress_bar
 from .chaos_judge import ErrorLog, Played, Result, dead_threads, judge
@@ -171,6 +173,9 @@ def deadline_slack_s(engines: int) -> float:
 
 def _add_lanes(rig: _Rig, scn: Scenario, cfg: LoadBackConfig, endpoint: str, engines: int,
                metrics) -> None:
+    # The fault proxy is a thread of this process standing for the network and the daemon:
+    # its CPU (re-encoding payloads, holding the interpreter lock) is not the caller's.
+    delay = functools.partial(OsDelay, foreign=rig.proxy.thread_ids if rig.proxy else ())
     for i in range(engines):
         pool = KVPool([torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)],
                       [torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)])
@@ -183,7 +188,8 @@ def _add_lanes(rig: _Rig, scn: Scenario, cfg: LoadBackConfig, endpoint: str, eng
         rig.lanes.append(Lane(i, name or "e0", conn, orch, slots,
                               Workload(LAYOUT, scn.seed, stream=i),
                               Engine(orch, pool, LAYOUT, slots, seed=scn.seed + i, name=name,
-                                     deadline_slack_s=deadline_slack_s(engines))))
+                                     deadline_slack_s=deadline_slack_s(engines),
+                                     os_delay=delay)))
 
 
 def _play(scn: Scenario, rig: _Rig, n_rounds: int, progress) -> Played:
@@ -323,6 +329,7 @@ def print_results(results: list[Result]) -> None:
             print(f"  {r.name}: worst call, {d['op']}, {d['took_ms']:.1f} ms against a "
                   f"{d['deadline_ms']:.0f} ms deadline: {d['run_queue_wait_ms']:.1f} ms waiting "
                   f"for a CPU (OS run queue; other threads {d['others_run_queue_ms']:.1f} ms), "
+                  f"{d['foreign_cpu_ms']:.1f} ms of the fault proxy's CPU, "
                   f"{d['steal_ms']:.0f} ms stolen by the host, "
                   f"{d['gc_ms']:.1f} ms in garbage collection, "
                   f"{d['own_cpu_ms']:.1f} ms on its CPU, "

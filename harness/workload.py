@@ -86,9 +86,9 @@ class Tally:
     #: The most any match/load_back ran past its deadline, seconds (negative: the least headroom).
     worst_overshoot_s: float = -math.inf
     #: Where the worst call's time went (see `Engine._timed`): ms on this thread's CPU, waiting
-    #: for a CPU (the OS run queue), stolen by the host, in garbage collection (any thread),
-    #: blocked (sleeping: socket poll, GIL, locks), and the CPU other threads of this process
-    #: used meanwhile.
+    #: for a CPU (the OS run queue; also the other threads'), the fault proxy's CPU, stolen by
+    #: the host, in garbage collection (any thread), blocked (sleeping: socket poll, GIL,
+    #: locks), and the CPU other threads of this process used meanwhile.
     worst_overshoot_detail: dict = field(default_factory=dict)
     first_hit_after: dict[str, float] = field(default_factory=dict)
     #: Loads whose KV this engine never sent to the daemon itself: another engine stored it.
@@ -190,6 +190,7 @@ class Engine:
                 "op": op, "took_ms": took * 1e3, "deadline_ms": deadline_s * 1e3,
                 "own_cpu_ms": own_ms, "run_queue_wait_ms": wait_ms,
                 "others_run_queue_ms": d.others_run_queue_s * 1e3,
+                "foreign_cpu_ms": d.foreign_cpu_s * 1e3,
                 "steal_ms": d.steal_s * 1e3, "gc_ms": d.gc_s * 1e3,
                 "blocked_ms": max(0.0, took * 1e3 - own_ms - wait_ms),
                 "other_threads_cpu_ms": max(0.0, (proc1 - proc0) * 1e3 - own_ms)}

@@ -176,6 +176,14 @@ class FaultProxy:
         self._thread.start()
         return self
 
+    @property
+    def thread_ids(self) -> list[int]:
+        """The OS thread ids of the proxy's own work (rules, re-encoding payloads): it stands
+        for the network and the daemon, so a deadline judge does not charge its CPU to the
+        caller (`testing.os_delay.OsDelay(foreign=...)`)."""
+        t = self._thread
+        return [t.native_id] if t is not None and t.native_id is not None else []
+
     def close(self) -> None:
         if self._thread is None or self._stop.is_set():
             return

@@ -111,7 +111,7 @@ class _Took:
 
     def __init__(self, took_s: float, run_queue_s: float, steal_s: float, gc_s: float) -> None:
         self.took_s, self.run_queue_s, self.steal_s, self.gc_s = took_s, run_queue_s, steal_s, gc_s
-        self.cpu_s = self.others_run_queue_s = 0.0
+        self.cpu_s = self.others_run_queue_s = self.foreign_cpu_s = 0.0
 
     def __call__(self):
         return self
@@ -168,3 +168,46 @@ def test_a_garbage_collection_during_the_call_is_counted_whichever_thread_ran_it
     assert ran.is_set() and len(junk) == 200_000
     assert here.gc_s > 0 and there.gc_s > 0
     assert here.gc_s <= here.took_s and there.gc_s <= there.took_s
+
+
+@linux
+def test_a_foreign_threads_cpu_is_excused_and_only_when_named():
+    """The chaos harness names its fault proxy's thread: it stands for another process, and
+    its CPU (holding the interpreter lock) is not the caller's."""
+    started, go, spun, done = (threading.Event() for _ in range(4))
+    tid: list[int] = []
+
+    def proxy_like() -> None:
+        tid.append(threading.get_native_id())
+        started.set()
+        assert go.wait(30)
+        _spin_cpu(0.05)
+        spun.set()
+        done.wait(30)  # alive until the measurement ended (an ended thread is not seen)
+
+    th = threading.Thread(target=proxy_like)
+    th.start()
+    try:
+        assert started.wait(30)
+        with OsDelay(foreign=tid) as named, OsDelay() as unnamed:
+            go.set()
+            assert spun.wait(30)
+    finally:
+        go.set()
+        done.set()
+        th.join(30)
+    assert named.foreign_cpu_s >= 0.04, named.describe()
+    assert unnamed.foreign_cpu_s == 0 and named.seconds >= named.foreign_cpu_s
+
+
+def test_the_fault_proxy_names_its_thread():
+    from lmcache_loadback.connectors.ports import free_port
+    from lmcache_loadback.testing.fault_proxy import FaultProxy
+
+    proxy = FaultProxy(f"tcp://127.0.0.1:{free_port()}", upstream_wait_s=0.01)
+    assert proxy.thread_ids == []
+    proxy.start()
+    try:
+        assert proxy.thread_ids == [proxy._thread.native_id] and proxy.thread_ids[0] > 0
+    finally:
+        proxy.close()
