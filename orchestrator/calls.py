@@ -49,6 +49,9 @@ class Prefix:
     attempts: int = 0
     prepared: Prepared | None = None  # [retrieve_from, hit) prepared at match, until used
     prepared_at: float = 0.0        # when it was prepared (the orchestrator's clock)
+    # The engine was answered its promise (match returned tokens > 0, or another process's
+    # match did: adopt): only then do its tokens count as promised, loaded or recomputed.
+    told: bool = False
 
     @property
     def request_id(self) -> str:
@@ -57,6 +60,10 @@ class Prefix:
     @property
     def promised_tokens(self) -> int:
         return max(0, self.hit_tokens - self.local_tokens)
+
+    def tell(self, tokens: int) -> None:
+        """match answered `tokens` to the engine for this prefix."""
+        self.told = self.told or tokens > 0
 
     def match_result(self) -> MatchResult:
         """What match answers for it: the promise while it is marked, else 0."""

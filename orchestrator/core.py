@@ -33,13 +33,16 @@ from .tp import TPAgreement
 log = logging.getLogger("loadback")
 
 
-def _owns_release(answer_released: Callable[[Any, Any], Any]):
+def _owns_release(answer_released: Callable[[Any, Any], Any],
+                  answered: Callable[[Any, Any], None] | None = None):
     """While the decorated call (match, load_back) runs for a request id, its thread alone
     may release that id: an abort/finish/close from another thread meanwhile (the hook's
     scheduler thread dropping a LOOKUP its worker still runs, an engine aborting a request
     whose load runs elsewhere) is only recorded and returns at once; it is carried out here
     once the call returned (see `_release`): the prefix ends once, after all the call did.
-    `answer_released(prefix or None, result)`: what the call returns then."""
+    `answer_released(prefix or None, result)`: what the call returns then.
+    `answered(prefix, result)`: run under the lock when the call's own result is returned
+    (no release came meanwhile), before any later release can end the prefix."""
 
     def wrap(call):
         @functools.wraps(call)
@@ -56,6 +59,8 @@ def _owns_release(answer_released: Callable[[Any, Any], Any]):
                 with self._lock:
                     reason = self._owners.pop(request_id)
                     p = self._live.get(request_id)
+                    if reason is None and p is not None and answered is not None:
+                        answered(p, result)
                 if reason is not None:
                     self._release(request_id, reason)
             return result if reason is None else answer_released(p, result)
@@ -113,7 +118,8 @@ class LoadBackOrchestrator(HandOff):
 
     # ------------------------------------------------------------------ match
 
-    @_owns_release(lambda p, _: p.match_result() if p is not None else MatchResult())
+    @_owns_release(lambda p, _: p.match_result() if p is not None else MatchResult(),
+                   answered=lambda p, result: p.tell(result.tokens))
     def match(self, request_id: str, token_ids: Sequence[int], *, local_hit_tokens: int = 0,
               cache_salt: str = "") -> MatchResult:
         """How many tokens the engine may load beyond its local hit (`.tokens`, 0 =
@@ -360,10 +366,11 @@ class LoadBackOrchestrator(HandOff):
         self._record_outcome(p)
 
     def _record_outcome(self, p: Prefix, loaded_bytes: int = 0) -> None:
-        """Count the prefix's final outcome (once: it has just reached a terminal state)."""
+        """Count the prefix's final outcome (once: it has just reached a terminal state).
+        Its tokens count as promised only if match answered them to the engine (`told`)."""
         loaded = p.state == PrefixState.LOADED.value
         self.metrics.outcome(p.state, None if loaded else p.reason.value,
-                             promised_tokens=p.promised_tokens,
+                             promised_tokens=p.promised_tokens if p.told else 0,
                              loaded_tokens=p.promised_tokens if loaded else 0,
                              loaded_bytes=loaded_bytes)
 

@@ -72,7 +72,7 @@ class HandOff:
             log.debug("%s: registered after the LOOKUP it adopts; its locks are left to the "
                       "daemon's TTL", request_id)
         p = Prefix(key, local_hit_tokens, epoch, lease, hit_tokens=hit_tokens,
-                   retrieve_from=start)
+                   retrieve_from=start, told=True)  # the handing process's match told it
         self._touch_session(request_id, epoch)
         self._enter(p)
         self._fire(p, "hit")
