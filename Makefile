@@ -17,7 +17,7 @@ SGLANG_ENV := PYTHONPATH=$(CURDIR)/harness/sglang/stubs HF_HUB_OFFLINE=1
 # build side by side.
 EDITABLE = mkdir -p build && flock build/.editable.lock
 
-.PHONY: venv sglang-envs vllm-env prometheus-tools demo demo-sim test chaos bench bench-vllm clean
+.PHONY: venv sglang-envs vllm-env prometheus-tools demo demo-sim test compare-upstream chaos bench bench-vllm clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -95,10 +95,16 @@ test:
 	$(MAKE) -j4 venv prometheus-tools sglang-envs vllm-env
 	rc=0; \
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS) || rc=1; \
-	$(SGLANG_ENV) .venv-sglang-0.5.23/bin/python -m pytest -q -ra tests/sglang $(PYTEST_ARGS) || rc=1; \
+	$(SGLANG_ENV) .venv-sglang-0.5.23/bin/python -m pytest -q -ra -m "not upstream" tests/sglang $(PYTEST_ARGS) || rc=1; \
 	$(SGLANG_ENV) .venv-sglang-0.5.20/bin/python -m pytest -q -ra tests/sglang --ignore=tests/sglang/e2e $(PYTEST_ARGS) || rc=1; \
 	.venv-vllm/bin/python -m pytest -q -ra tests/vllm $(PYTEST_ARGS) || rc=1; \
 	exit $$rc
+
+# Upstream's wiring on a real SGLang 0.5.23 server under the faults ours is tested with (TP 1 and
+# 2): what the demo's table shows, as assertions. Kept out of `make test` (about 6 minutes here);
+# one of them (a LOOKUP starved by a killed daemon) stays there for the README's claim.
+compare-upstream: .venv-sglang-0.5.23/.installed
+	$(SGLANG_ENV) .venv-sglang-0.5.23/bin/python -m pytest -q -ra -m upstream tests/sglang/e2e $(PYTEST_ARGS)
 
 chaos: venv
 	$(BIN)/loadback chaos run --scenario all

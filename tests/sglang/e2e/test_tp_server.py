@@ -119,6 +119,7 @@ def test_tp2_daemon_killed_between_lookup_and_retrieve(ours_tp):
            hits_resumed_after_restart_s=round(time.monotonic() - up_at, 2), daemon_after=held)
 
 
+@pytest.mark.upstream
 def test_upstream_tp2_same_traffic(make_stack):
     """Upstream at TP 2: the happy path hits (the comparison means something), then the
     daemon SIGKILLed between LOOKUP and RETRIEVE blocks the scheduler for mq_timeout-sized
