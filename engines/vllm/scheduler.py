@@ -160,9 +160,11 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output) -> LoadBackMeta:
         self._step += 1
         for rid in scheduler_output.preempted_req_ids or ():
-            # its blocks are gone; it asks again (a new LOOKUP) when it is scheduled again
+            # its blocks are gone (vLLM reuses their ids: another request's load error there
+            # is not this one's); it asks again (a new LOOKUP) when it is scheduled again
             self._drop(rid)
             self._loads.pop(rid, None)
+            self._load_blocks.pop(rid, None)
         meta = LoadBackMeta(loads=self._loads)
         self._loads = {}
         for rid, op in meta.loads.items():

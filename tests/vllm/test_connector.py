@@ -25,8 +25,9 @@ HIT = (len(PROMPT) - 1) // CHUNK * CHUNK               # 192: never the whole pr
 
 
 def released(daemon) -> bool:
+    """The daemon holds nothing for a client: every kind `held()` reports."""
     h = daemon.held()
-    return h["read_locks"] == 0 and h["sessions"] == 0 and h["prefetch_jobs"] == 0
+    return all(h[k] == 0 for k in ("read_locks", "write_locks", "sessions", "prefetch_jobs"))
 
 
 @pytest.fixture
@@ -209,6 +210,33 @@ def test_preempted_request_releases_at_once_and_asks_again(engine, daemon):
         k, v = engine.token_kv("preempted", pos, 0)
         want = kv_value(PROMPT[pos], pos, 0)
         assert bool((k == want).all()) and bool((v == -want).all())
+    for rid in list(engine.requests):
+        engine.finish(engine.requests[rid])
+    wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")
+
+
+def test_a_preempted_request_is_not_blamed_for_a_load_failing_in_its_freed_blocks(engine,
+                                                                                daemon):
+    """vLLM reuses a preempted request's blocks: another request's failed load there must
+    not mark the preempted one failed (never promised again, its store shipped twice)."""
+    stored(engine)
+    first = engine.request("first", PROMPT)
+    res = engine.prefill(first)
+    assert res.hits == {"first": HIT} and not res.load_errors
+    engine.preempt(first)                       # its blocks go back to the free list's end
+    other = engine.request("other", PROMPT)
+    offered = engine.ask(other)
+    assert offered[0] == HIT
+    # vLLM allocating part of a block: the other request's load fails, in first's old blocks
+    res = engine.prefill(other, ask=(HIT - BLOCK,) + offered[1:], from_end=True)
+    assert res.load_errors and res.load_errors <= set(res.blocks["other"])
+    assert res.load_errors & set(engine.req_blocks["other"])
+    stores = engine.worker.worker.stores_done
+    n, _, _ = engine.ask(first, 0)              # back from preemption: still promised
+    assert n == HIT
+    res = engine.prefill(first, ask=(n, 0, 0))
+    assert not res.load_errors
+    assert engine.worker.worker.stores_done == stores   # stored once, not again
     for rid in list(engine.requests):
         engine.finish(engine.requests[rid])
     wait_until(lambda: released(daemon), what="daemon holding no lock, session or job")
