@@ -28,6 +28,9 @@ class Segment:
     segment is unregistered only once both are empty (`idle`)."""
 
     bytes: torch.Tensor  # uint8 view of the mapping; holding it keeps the mapping alive
+    #: The segment mapped, (st_dev, st_ino) of /dev/shm/<name> (`shm_pool.ShmPool.identity`):
+    #: a daemon restarted under the same name makes a new one.
+    identity: tuple[int, int] | None = None
     registered: bool = False
     users: int = 0
     pending: list = field(default_factory=list)  # events of copies still reading it
@@ -81,25 +84,29 @@ class SegmentHolder:
         # Guards segment, _retired and each segment's users (loads run beside registration).
         self._seg_cond = threading.Condition()
 
-    def attach(self, host_bytes: torch.Tensor | None) -> None:
+    def attach(self, host_bytes: torch.Tensor | None, *,
+               identity: tuple[int, int] | None = None) -> None:
         """At every registration: page-lock the daemon's (new) segment, retire the old one.
 
         `host_bytes` is this process's uint8 mapping of the segment, or None when the daemon
-        offers none (pickle). The same mapping again changes nothing. The new segment is
-        page-locked before it replaces the old one; the old one stays mapped and registered
-        until no copy reads it (`Segment.users` and `.pending`).
+        offers none (pickle); `identity` the segment it maps (its inode). The same mapping
+        of the same segment again changes nothing; a segment is never told apart by its
+        name or address alone. The new segment is page-locked before it replaces the old
+        one; the old one stays mapped and registered until no copy reads it
+        (`Segment.users` and `.pending`).
         """
         with self._seg_cond:
             self._reap()
             cur = self.segment
             if cur is not None and host_bytes is not None and cur.bytes is not None \
+                    and cur.identity == identity \
                     and cur.bytes.data_ptr() == host_bytes.data_ptr() \
                     and cur.bytes.numel() == host_bytes.numel():
                 return
         seg = None
         try:
             if host_bytes is not None:
-                seg = Segment(host_bytes)
+                seg = Segment(host_bytes, identity)
                 if self.cuda:
                     register_host(host_bytes)
                     seg.registered = True

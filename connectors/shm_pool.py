@@ -18,20 +18,34 @@ from .kv_layout import KVLayout, KVPool
 log = logging.getLogger(__name__)
 
 
+def segment_identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the segment `path` names now; None when there is none. A daemon
+    restarted with the same --shm-name unlinks the old segment and creates another: the
+    name stays, the inode changes."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class ShmPool:
     """A read/write mapping of the daemon's L1 pool (/dev/shm/<name>), as registration with
-    daemon incarnation `epoch` (the connection epoch) named it."""
+    daemon incarnation `epoch` (the connection epoch) named it. The segment mapped is
+    `identity` (its inode), not its name: the name outlives a daemon's restart."""
 
     def __init__(self, name: str, size: int, epoch: int | None = None) -> None:
-        path = "/dev/shm/" + name.lstrip("/")
+        self.path = "/dev/shm/" + name.lstrip("/")
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(self.path, os.O_RDWR)
         except OSError as exc:
             raise DaemonUnavailable(
-                f"cannot open the daemon's shared-memory pool {path}: {exc}; the daemon "
+                f"cannot open the daemon's shared-memory pool {self.path}: {exc}; the daemon "
                 "must run on this host with --shm-name NAME --no-l1-use-lazy"
             ) from exc
         try:
+            st = os.fstat(fd)
+            self.identity: tuple[int, int] = (st.st_dev, st.st_ino)
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -44,9 +58,15 @@ class ShmPool:
                                                            dtype=torch.uint8)
 
     def names(self, name: str, size: int, epoch: int) -> bool:
-        """This mapping is the segment a registration with incarnation `epoch` named."""
+        """This mapping is the segment a registration with incarnation `epoch` named: the
+        same name, size and epoch, and the name still names the segment we mapped (a
+        restart hidden from the epoch, behind a proxy, leaves all three unchanged)."""
         return self.bytes is not None and (self.name, self.size, self.epoch) == (
-            name, size, epoch)
+            name, size, epoch) and self.current()
+
+    def current(self) -> bool:
+        """The daemon's segment name still names the segment this maps (one stat)."""
+        return segment_identity(self.path) == self.identity
 
     def view(self, slot: wire.ShmSlot, layout: KVLayout) -> torch.Tensor:
         data = self.bytes  # once: close() may run on another thread
@@ -112,7 +132,8 @@ class SegmentMapping:
             if mode == "shm":
                 new = ShmPool(reply.shm_name, reply.pool_size, epoch)
             if self._gpu is not None:  # before anyone can take a view of the new mapping
-                self._gpu.attach(new.bytes if new is not None else None)
+                self._gpu.attach(new.bytes if new is not None else None,
+                                 identity=new.identity if new is not None else None)
         except BaseException:
             self._shm = None
             if new is not None:
@@ -143,7 +164,8 @@ class SegmentMapping:
                             str(dev))
                 gpu = GpuTransfer(dev, sync=self.gpu_sync)
                 shm = self._shm
-                gpu.attach(shm.bytes if shm is not None else None)
+                gpu.attach(shm.bytes if shm is not None else None,
+                           identity=shm.identity if shm is not None else None)
                 self._gpu = gpu
             return gpu
 
@@ -158,6 +180,13 @@ class SegmentMapping:
                 epoch is not None and epoch != shm.epoch):
             raise DaemonUnavailable("the shared-memory pool mapped is another daemon "
                                     "incarnation's: register again first")
+        if not shm.current():
+            # A daemon restarted under the same --shm-name, unseen by the epoch (a proxy):
+            # its slots lie in a segment we do not map; copying through ours would load
+            # stale bytes and store into a dead segment what the new daemon then commits.
+            raise DaemonUnavailable(f"the daemon's shared-memory pool {shm.path} is another "
+                                    "segment than the one mapped (the daemon restarted): "
+                                    "register again first")
         return shm
 
     def _shm_views(self, context: wire.ShmContext, n_chunks: int) -> list[torch.Tensor]:

@@ -55,7 +55,7 @@ def _attach_spy(conn, monkeypatch) -> list:
     calls: list = []
     gt = GpuTransfer("cpu")
     real = gt.attach
-    monkeypatch.setattr(gt, "attach", lambda b: (calls.append(b), real(b))[1])
+    monkeypatch.setattr(gt, "attach", lambda b, **kw: (calls.append(b), real(b, **kw))[1])
     conn._gpu = gt
     return calls
 
