@@ -30,6 +30,8 @@ def register() -> None:
 
 def build_cache(ctx):
     """Radix-cache factory: SGLang passes its `TreeCacheBuildContext`."""
+    from .flags import check_flags
     from .radix_cache import LoadBackRadixCache
 
+    check_flags(ctx)  # the server's flags before anything is built
     return LoadBackRadixCache.from_build_context(ctx)
