@@ -1,40 +1,33 @@
 """`loadback chaos run`: break the daemon on purpose and check that only recompute is lost.
 
 A scenario (harness/chaos_scenario.py) names a fault and when it acts; N engines (`--engines`)
-share the one daemon, one request each per round; after a bounded run every invariant is
-judged (harness/chaos_judge.py).
+share the one daemon, one request each per round, each engine in its own process as in
+production (harness/chaos_engines.py); after a bounded run every invariant is judged
+(harness/chaos_judge.py).
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import sys
+import random
 import threading
 import time
-import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from threading import BrokenBarrierError
 from pathlib import Path
 
-import torch
-
-from lmcache_loadback.connectors.kv_layout import KVPool
-from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
-from lmcache_loadback.orchestrator.config import LoadBackConfig
-from lmcache_loadback.orchestrator.core import LoadBackOrchestrator
-from lmcache_loadback.orchestrator.instruments import product_metrics
 from lmcache_loadback.testing.daemon import DaemonProcess, free_port
 from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
-from lmcache_loadback.testing.os_delay import OsDelay
 
 from .bench.common import progress_bar
-from .chaos_judge import ErrorLog, Played, Result, dead_threads, judge
+from .chaos_engines import (DEADLINE_SLACK_S, EXCUSE_CAP_S, Lane, ProcessCrew, RequestHook,
+                            ThreadCrew, make_lane)
+from .chaos_judge import ErrorLog, Played, Result, judge
 from .chaos_scenario import LAYOUT, SCENARIO_DIR, Fault, Scenario, base_config, load_scenarios
-from .workload import Engine, SlotAllocator, Workload
 
-__all__ = ["LAYOUT", "MAX_ENGINES", "ROUND_TIMEOUT_S", "SCENARIO_DIR", "ErrorLog", "Fault",
-           "Lane", "Progress", "Result", "Scenario", "base_config", "load_scenarios",
-           "print_results", "run", "run_scenario"]
+__all__ = ["DEADLINE_SLACK_S", "EXCUSE_CAP_S", "LAYOUT", "MAX_ENGINES", "ROUND_TIMEOUT_S",
+           "SCENARIO_DIR", "ErrorLog", "Fault", "Lane", "Progress", "Result", "Scenario",
+           "base_config", "load_scenarios", "print_results", "run", "run_scenario"]
 
 #: How long the harness waits for every engine to finish one round (its one request, whose
 #: calls are bounded by deadlines of at most a few hundred ms) before it judges the engines
@@ -44,70 +37,17 @@ MAX_ENGINES = 32
 
 
 @dataclass
-class Lane:
-    """One engine of the run: its own connector (own instance id), orchestrator (own metrics
-    registry), KV pool, slot allocator, workload stream and `Engine`, run on its own thread."""
-
-    index: int
-    name: str
-    conn: LMCacheMPConnector
-    orch: LoadBackOrchestrator
-    slots: SlotAllocator
-    work: Workload
-    engine: Engine
-    thread: threading.Thread | None = None
-    rounds_done: int = 0
-    error: str = ""   # the traceback that ended its thread
-
-
-def _fresh_metrics(n_engines: int):
-    """A metrics registry of one engine: `product_metrics()` must give each a fresh one, or
-    the engines' counters would add up and never reconcile per engine."""
-    m = product_metrics()
-    if n_engines > 1 and m.multiprocess:
-        raise SystemExit("chaos --engines N > 1 reconciles each engine's own counters: unset "
-                         "PROMETHEUS_MULTIPROC_DIR (in multiprocess mode every registry of a "
-                         "process reads the same files)")
-    seen = {k: v for k, v in m.snapshot().items()
-            if k.startswith(("loadback_prefix_outcomes_total", "loadback_promised_tokens_total")) and v}
-    if seen:
-        raise RuntimeError(f"product_metrics() did not give a fresh registry: {seen}")
-    return m
-
-
-def _drive(lane: Lane, barrier: threading.Barrier, stop: threading.Event, state: dict,
-           wait_s: float) -> None:
-    """An engine's thread: at each round's gate every engine is released at once and issues
-    one request; then it waits at the gate for the round's end. Ends when the harness says
-    stop, or the barrier breaks (the harness ended the run)."""
-    try:
-        while True:
-            barrier.wait(timeout=wait_s)
-            if stop.is_set():
-                return
-            prompt, local = lane.work.next_prompt()
-            lane.engine.request(prompt, local, phase=state["phase"])
-            lane.rounds_done += 1
-            barrier.wait(timeout=wait_s)
-    except threading.BrokenBarrierError:
-        return
-    except BaseException:  # a harness or product bug: the thread dies, the run ends at once
-        lane.error = traceback.format_exc()
-        barrier.abort()
-
-
-@dataclass
 class _Rig:
     """What a run holds until it ends, closed whatever happened: the daemon, the fault proxy
     (wire faults), the engines."""
 
     daemon: DaemonProcess
     proxy: FaultProxy | None = None
-    lanes: list[Lane] = field(default_factory=list)
+    crew: ThreadCrew | ProcessCrew | None = None
 
     def close(self) -> None:
-        for lane in self.lanes:
-            lane.orch.close()
+        if self.crew is not None:
+            self.crew.close()
         if self.proxy is not None:
             self.proxy.close()
         self.daemon.resume()
@@ -115,16 +55,16 @@ class _Rig:
 
 
 def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=None,
-                 engines: int = 1) -> Result:
+                 engines: int = 1, request_hook: RequestHook | None = None) -> Result:
     """Run one scenario: `engines` engines share one daemon, and in each of the `requests`
-    rounds every engine issues one request at the same instant (a burst). One engine is
-    the single-engine run of before, request for request.
-
-    Each engine has its own connector (instance id), orchestrator and metrics registry, KV
-    pool, slot allocator and request names (`e{i}-req-{n}`), on its own thread; they share
+    rounds every engine issues one request at the same instant (a burst). One engine runs
+    on a thread of this process (`metrics=`: its registry); several run one process each,
+    as production runs them, each with its own connector (instance id), orchestrator and
+    metrics registry, KV pool, slot allocator and request names (`e{i}-req-{n}`); they share
     the system prompts, so one loads what another stored. Rounds are paced by
     `request_interval_ms`; faults begin and end at round indices. An engine stuck in a round
-    past ROUND_TIMEOUT_S breaks the barrier: it counts as hung and the run ends there."""
+    past ROUND_TIMEOUT_S breaks the barrier: it counts as hung and the run ends there.
+    `request_hook` (tests, picklable): stands in for `Engine.request`."""
     if not 1 <= engines <= MAX_ENGINES:
         raise ValueError(f"engines must be 1..{MAX_ENGINES}, got {engines}")
     if metrics is not None and engines > 1:
@@ -135,14 +75,24 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
     errors = ErrorLog().__enter__()
     try:
         endpoint = _start_daemon(scn, rig)
-        cfg = base_config(int(endpoint.rsplit(":", 1)[1]), {"transfer": scn.transfer, **scn.config})
-        _add_lanes(rig, scn, cfg, endpoint, engines, metrics)
-        if scn.fault.kind != "absent_at_start" and not scn.fault.from_start:
-            for lane in rig.lanes:
-                if not lane.orch.wait_registered(30):
-                    raise RuntimeError(f"{scn.name}: orchestrator {lane.name} never registered")
+        port = int(endpoint.rsplit(":", 1)[1])
+        wait = scn.fault.kind != "absent_at_start" and not scn.fault.from_start
+        if engines == 1:
+            # The fault proxy is then a thread of this process standing for the network and
+            # the daemon: its CPU (holding the interpreter lock) is not the caller's.
+            lane = make_lane(scn, endpoint, port, 0, 1, metrics=metrics,
+                             foreign=tuple(rig.proxy.thread_ids) if rig.proxy else ())
+            rig.crew = ThreadCrew(lane, request_hook)
+            if wait and not lane.orch.wait_registered(30):
+                raise RuntimeError(f"{scn.name}: orchestrator e0 never registered")
+        else:
+            rig.crew = ProcessCrew(scn, endpoint, port, engines, wait_registered=wait,
+                                   hook=request_hook)
         played = _play(scn, rig, n_rounds, progress)
-        return judge(scn, rig.lanes, rig.daemon, rig.proxy, played, errors)
+        if rig.proxy is not None:
+            rig.proxy.clear()
+        reports, daemon_leaks = rig.crew.reports(rig.daemon, settle_s=15.0)
+        return judge(scn, reports, daemon_leaks, rig.proxy, played, errors)
     finally:
         errors.__exit__()
         rig.close()
@@ -163,49 +113,13 @@ def _start_daemon(scn: Scenario, rig: _Rig) -> str:
     return endpoint
 
 
-def deadline_slack_s(engines: int) -> float:
-    """How far past its deadline a call may return before it counts as hung: 5 ms, plus one
-    GIL switch interval per other engine. The harness runs its engines as threads of one
-    process, where a call whose deadline passed may wait for the GIL while the others run;
-    in production each engine is a process of its own."""
-    return 0.005 + (engines - 1) * sys.getswitchinterval()
-
-
-def _add_lanes(rig: _Rig, scn: Scenario, cfg: LoadBackConfig, endpoint: str, engines: int,
-               metrics) -> None:
-    # The fault proxy is a thread of this process standing for the network and the daemon:
-    # its CPU (re-encoding payloads, holding the interpreter lock) is not the caller's.
-    delay = functools.partial(OsDelay, foreign=rig.proxy.thread_ids if rig.proxy else ())
-    for i in range(engines):
-        pool = KVPool([torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)],
-                      [torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)])
-        conn = LMCacheMPConnector(endpoint, LAYOUT, transfer=scn.transfer,
-                                  connect_timeout_s=cfg.deadlines.connect_ms / 1000)
-        orch = LoadBackOrchestrator(cfg, conn, kv_pool=pool,
-                                    metrics=metrics or _fresh_metrics(engines))
-        slots = SlotAllocator(8192)
-        name = f"e{i}" if engines > 1 else ""
-        rig.lanes.append(Lane(i, name or "e0", conn, orch, slots,
-                              Workload(LAYOUT, scn.seed, stream=i),
-                              Engine(orch, pool, LAYOUT, slots, seed=scn.seed + i, name=name,
-                                     deadline_slack_s=deadline_slack_s(engines),
-                                     os_delay=delay)))
-
-
 def _play(scn: Scenario, rig: _Rig, n_rounds: int, progress) -> Played:
     """The rounds: the fault begins and ends at its round indices; each round releases every
     engine at once and waits until each returned. Stops early past `max_seconds`, or when an
     engine dies or hangs."""
-    lanes, fault, played = rig.lanes, scn.fault, Played()
-    state = {"phase": ""}
-    barrier = threading.Barrier(len(lanes) + 1)
-    stop = threading.Event()
-    engine_wait_s = scn.max_seconds + 2 * ROUND_TIMEOUT_S + 300  # a backstop only
-    for lane in lanes:
-        lane.thread = threading.Thread(target=_drive, name=f"chaos-engine-{lane.index}",
-                                       args=(lane, barrier, stop, state, engine_wait_s),
-                                       daemon=True)
-        lane.thread.start()
+    crew, fault, played = rig.crew, scn.fault, Played()
+    flicker = _Flicker(rig.daemon, fault, scn.seed) if fault.kind == "flicker" else None
+    crew.start(scn.max_seconds + 2 * ROUND_TIMEOUT_S + 300)  # the engines' wait: a backstop
     begin, stop_at = int(fault.start * n_rounds), int(fault.end * n_rounds)
     deadline = time.monotonic() + scn.max_seconds
     due = time.monotonic()
@@ -220,46 +134,74 @@ def _play(scn: Scenario, rig: _Rig, n_rounds: int, progress) -> Played:
             due = time.monotonic() + scn.request_interval_ms / 1000
             if fault.kind not in ("none", "absent_at_start") and i == begin and not fault.from_start:
                 _begin_fault(fault, rig.daemon, rig.proxy)
+            if flicker is not None and begin <= i < stop_at:
+                flicker.maybe()
             if fault.kind != "none" and i == stop_at:
+                if flicker is not None:
+                    flicker.join()
                 _end_fault(fault, rig.daemon, rig.proxy)
-                played.t_fault_end, state["phase"] = time.monotonic(), "recovery"
-            if not _round(barrier, lanes, played):
+                played.t_fault_end = time.monotonic()
+                crew.set_phase("recovery")
+            if not _round(crew, played):
                 break
-            played.max_debts = max(played.max_debts, *(lane.orch.pending_debts() for lane in lanes))
-            played.dead |= dead_threads(lanes, engines_alive=True)
+            crew.sample(played)
             if progress:
                 progress(scn.name, i + 1, n_rounds)
     finally:
-        _stop_engines(lanes, barrier, stop)
+        if flicker is not None:
+            flicker.join()
+        crew.stop(ROUND_TIMEOUT_S)
     return played
 
 
-def _round(barrier: threading.Barrier, lanes: list[Lane], played: Played) -> bool:
+class _Flicker:
+    """The flicker fault: in a share of the rounds (`probability`), the daemon is stopped
+    for `pause_ms` from a random instant in the round's first `within_ms`, on a thread of
+    its own (one window at a time), then continued."""
+
+    def __init__(self, daemon: DaemonProcess, fault: Fault, seed: int) -> None:
+        self.daemon, self.fault = daemon, fault
+        self.rng = random.Random(f"flicker:{seed}")
+        self.thread: threading.Thread | None = None
+        self.windows = 0
+
+    def maybe(self) -> None:
+        if self.rng.random() >= self.fault.probability:
+            return
+        if self.thread is not None and self.thread.is_alive():
+            return  # the last window is still open
+        delay = self.rng.uniform(0, self.fault.within_ms / 1000)
+        self.thread = threading.Thread(target=self._window, args=(delay,), daemon=True,
+                                       name="chaos-flicker")
+        self.windows += 1
+        self.thread.start()
+
+    def _window(self, delay_s: float) -> None:
+        time.sleep(delay_s)  # where in the round the window opens
+        self.daemon.pause()
+        try:
+            time.sleep(self.fault.pause_ms / 1000)  # the window itself
+        finally:
+            self.daemon.resume()
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+
+
+def _round(crew, played: Played) -> bool:
     """One round at the harness's side of the barrier; False when it broke (the run ends)."""
     try:
-        barrier.wait(timeout=ROUND_TIMEOUT_S)  # the gate: all engines at once
+        crew.barrier.wait(timeout=ROUND_TIMEOUT_S)  # the gate: all engines at once
         played.rounds += 1
-        barrier.wait(timeout=ROUND_TIMEOUT_S)  # every engine's request returned
+        crew.barrier.wait(timeout=ROUND_TIMEOUT_S)  # every engine's request returned
         return True
-    except threading.BrokenBarrierError:
-        # An engine died (dead_threads), or one is stuck inside its request: hung
+    except BrokenBarrierError:
+        # An engine died (its report says so), or one is stuck inside its request: hung
         # (a broken barrier nobody can be blamed for counts as one hung engine).
-        if not any(lane.error for lane in lanes):
-            played.hung_engines = [lane.name for lane in lanes if lane.rounds_done < played.rounds
-                                   and lane.thread.is_alive()] or ["(barrier broken)"]
+        if not crew.failed():
+            played.hung_engines = crew.stuck(played.rounds) or ["(barrier broken)"]
         return False
-
-
-def _stop_engines(lanes: list[Lane], barrier: threading.Barrier, stop: threading.Event) -> None:
-    stop.set()
-    if not barrier.broken:
-        try:
-            barrier.wait(timeout=ROUND_TIMEOUT_S)  # releases the engines: they see stop
-        except threading.BrokenBarrierError:
-            pass
-    barrier.abort()
-    for lane in lanes:
-        lane.thread.join(timeout=5)
 
 
 def _begin_fault(fault: Fault, daemon: DaemonProcess, proxy: FaultProxy | None) -> None:
@@ -312,11 +254,12 @@ def print_results(results: list[Result]) -> None:
         deg = ", ".join(f"{k}={v}" for k, v in r.degraded.items()) or "-"
         rows.append([r.name, r.engines, r.requests, r.hung,
                      "-" if r.worst_overshoot_ms is None else f"{r.worst_overshoot_ms:+.1f}",
-                     r.leaked, r.wrong_bytes,
+                     r.leaked, f"{r.excused_ms:.0f}/{r.worst_excused_ms:.1f}", r.wrong_bytes,
                      "yes" if r.counters_ok else "NO", f"{r.p99_return_s * 1000:.1f}",
                      "-" if r.recovery_s is None else f"{r.recovery_s:.2f}",
                      r.loaded, r.max_debts_queued, deg])
-    print_table(["scenario", "engines", "requests", "hung", "worst over ms", "leaked", "wrong",
+    print_table(["scenario", "engines", "requests", "hung", "worst over ms", "leaked",
+                 "excused ms (sum/worst)", "wrong",
                  "counters ok", "p99 ms", "recovery s", "loaded", "max queued",
                  "degraded by reason"], rows)
     for r in results:
@@ -324,12 +267,13 @@ def print_results(results: list[Result]) -> None:
             print(f"  {r.name}: counter mismatch: {m}")
         if r.leaked:
             print(f"  {r.name}: leaks: {r.leaks}")
-        d = r.worst_overshoot_detail
+        d = r.worst_judged_detail
         if r.hung and d:
-            print(f"  {r.name}: worst call, {d['op']}, {d['took_ms']:.1f} ms against a "
+            print(f"  {r.name}: the call judged most late, {d.get('engine', '')} {d['op']}, {d['took_ms']:.1f} ms against a "
                   f"{d['deadline_ms']:.0f} ms deadline: {d['run_queue_wait_ms']:.1f} ms waiting "
                   f"for a CPU (OS run queue; other threads {d['others_run_queue_ms']:.1f} ms), "
                   f"{d['foreign_cpu_ms']:.1f} ms of the fault proxy's CPU, "
+                  f"{d.get('excused_ms', 0):.1f} ms excused in all, "
                   f"{d['steal_ms']:.0f} ms stolen by the host, "
                   f"{d['gc_ms']:.1f} ms in garbage collection, "
                   f"{d['own_cpu_ms']:.1f} ms on its CPU, "

@@ -16,17 +16,18 @@ from lmcache_loadback.testing.fault_proxy import FaultProxy
 
 from .bench.common import percentile
 from .chaos_scenario import Scenario
-from .workload import Engine
+from .workload import Engine, Tally
 
 
 @dataclass
 class Result:
-    """One scenario's verdict. hung: calls past their deadline + the slack
-    (`chaos.deadline_slack_s`) + what the machine took from them (run queue, host steal,
-    garbage collection: `testing.os_delay`), and engines stuck in a round; leaked: slots,
-    read locks, sessions, debts still owed; wrong bytes: loaded KV differing from a recompute; counters:
-    metrics equal to the outcomes the engines saw; recovery: fault end -> first hit; and the
-    daemon errors `expect_logged` names."""
+    """One scenario's verdict. hung: calls past their deadline + the slack + what the
+    machine took from the call's thread (run queue, host steal, its process's garbage
+    collection: `testing.os_delay`, capped per call: `workload.Engine`), and engines stuck in
+    a round; leaked: slots, live prefixes, debts still owed, unanswered calls, and every hold
+    the daemon reports (read and write locks, sessions, prefetch jobs); wrong bytes: loaded
+    KV differing from a recompute; counters: metrics equal to the outcomes the engines saw;
+    recovery: fault end -> first hit; and the daemon errors `expect_logged` names."""
 
     name: str
     requests: int
@@ -47,6 +48,9 @@ class Result:
     #: Where the worst call's time went: own CPU, run-queue wait (the OS), blocked, and the
     #: CPU other threads of this process used meanwhile (workload.Engine._timed).
     worst_overshoot_detail: dict = field(default_factory=dict)
+    #: The call judged the most late (past its deadline less what was excused), detailed
+    #: the same way: the one to read when `hung` > 0.
+    worst_judged_detail: dict = field(default_factory=dict)
     #: Daemon errors the orchestrator logged: {"Class" or "Class:op": count}.
     errors_logged: dict[str, int] = field(default_factory=dict)
     #: expect_logged entries the orchestrator never logged.
@@ -60,6 +64,10 @@ class Result:
     dead_threads: list[str] = field(default_factory=list)
     #: Loads of KV that the loading engine never stored itself (another engine did).
     loaded_from_others: int = 0
+    #: What the deadline judgement excused as the machine's, ms: summed over every call,
+    #: and the most for one call (at most `workload.Engine.excuse_cap_s`).
+    excused_ms: float = 0.0
+    worst_excused_ms: float = 0.0
     extra: dict = field(default_factory=dict)
 
     @property
@@ -136,39 +144,103 @@ def dead_threads(lanes: list, *, engines_alive: bool) -> set[str]:
     for lane in lanes:
         dead.update(f"{lane.name}:{t.name}" for t in lane.orch.link._threads if not t.is_alive())
         if lane.error or (engines_alive and lane.thread is not None and not lane.thread.is_alive()):
-            dead.add(lane.thread.name)
+            dead.add(lane.thread.name if lane.thread is not None else f"chaos-engine-{lane.index}")
     return dead
 
 
+#: What the daemon holds for clients that a finished run must have given back, every kind
+#: `DaemonProcess.held()` reports (a pending write is a write lock).
+DAEMON_HOLDS = ("read_locks", "write_locks", "sessions", "prefetch_jobs")
+
+
+def engine_held(lane, daemon_running: bool) -> dict[str, int]:
+    """What one engine still holds (slots, live prefixes, debts, unanswered calls); `lane`
+    needs `.orch`, `.slots` and `.conn`."""
+    lane.orch.wake()
+    return {
+        "kv_slots": lane.slots.outstanding,
+        "live_prefixes": lane.orch.live_prefixes(),
+        "debts_owed": lane.orch.pending_debts(),
+        # Read before the daemon's state: 0 means all sent so far was served or dropped.
+        "unanswered_calls": lane.conn.unanswered() if daemon_running else 0,
+    }
+
+
+def daemon_held(daemon: DaemonProcess) -> dict[str, int]:
+    """Every hold the daemon reports (`DAEMON_HOLDS`); zeros when it does not run."""
+    held = daemon.held() if daemon.proc and daemon.proc.poll() is None else {}
+    return {k: held.get(k, 0) for k in DAEMON_HOLDS}
+
+
+def daemon_running(daemon: DaemonProcess) -> bool:
+    return bool(daemon.proc and daemon.proc.poll() is None)
+
+
 def count_leaks(lanes: list, daemon: DaemonProcess,
-           settle_s: float = 15.0) -> tuple[dict[str, int], list[dict[str, int]]]:
+                settle_s: float = 15.0) -> tuple[dict[str, int], list[dict[str, int]]]:
     """After the run: wait (bounded) until the daemon has answered or dropped everything sent
     to it by every engine (a call it still holds can re-create a session or take locks once
     served; calls to a replaced daemon count 0) and every owed release is paid, then count
-    what is held: per engine (slots, live prefixes, debts, unanswered calls) and, once, the
-    daemon's read locks and sessions, which the engines share. Returns (the sum, each
-    engine's part); `lanes` need `.orch`, `.slots` and `.conn`."""
+    what is held: per engine (`engine_held`) and, once, what the daemon holds for the
+    engines it shares (`DAEMON_HOLDS`). Returns (the sum, each engine's part)."""
     end = time.monotonic() + settle_s
     while True:
-        running = bool(daemon.proc and daemon.proc.poll() is None)
-        by_engine = []
-        for lane in lanes:
-            lane.orch.wake()
-            by_engine.append({
-                "kv_slots": lane.slots.outstanding,
-                "live_prefixes": lane.orch.live_prefixes(),
-                "debts_owed": lane.orch.pending_debts(),
-                # Read before the daemon's state: 0 means all sent so far was served or dropped.
-                "unanswered_calls": lane.conn.unanswered() if running else 0,
-            })
-        held = daemon.held() if running else {}
-        live = {k: sum(e[k] for e in by_engine) for k in by_engine[0]} | {
-            "read_locks": held.get("read_locks", 0),
-            "sessions": held.get("sessions", 0),
-        }
+        running = daemon_running(daemon)
+        by_engine = [engine_held(lane, running) for lane in lanes]
+        live = {k: sum(e[k] for e in by_engine) for k in by_engine[0]} | (
+            daemon_held(daemon) if running else dict.fromkeys(DAEMON_HOLDS, 0))
         if not any(live.values()) or time.monotonic() > end:
             return live, by_engine
         time.sleep(0.05)
+
+
+def settle_engine(lane, daemon_running: bool, settle_s: float) -> dict[str, int]:
+    """`count_leaks` for one engine in its own process: wait (bounded) until it holds nothing
+    and every call it sent was answered; what it still holds."""
+    end = time.monotonic() + settle_s
+    while True:
+        held = engine_held(lane, daemon_running)
+        if not any(held.values()) or time.monotonic() > end:
+            return held
+        time.sleep(0.05)
+
+
+def settle_daemon(daemon: DaemonProcess, settle_s: float) -> dict[str, int]:
+    """Once every engine settled: wait (bounded) until the daemon holds nothing for them."""
+    end = time.monotonic() + settle_s
+    while True:
+        held = daemon_held(daemon)
+        if not any(held.values()) or time.monotonic() > end:
+            return held
+        time.sleep(0.05)
+
+
+@dataclass
+class EngineReport:
+    """What one engine brings to the verdict (sent back by an engine process, or read off
+    an in-process lane): its tally, counter mismatches, what it still holds, the daemon
+    errors it logged, its dead threads and, if its engine thread died, the traceback."""
+
+    name: str
+    index: int
+    tally: Tally
+    mismatches: list[str]
+    leaks: dict[str, int]
+    late_replies: int = 0
+    max_debts: int = 0
+    dead: list[str] = field(default_factory=list)
+    error: str = ""
+    errors_seen: dict[str, int] = field(default_factory=dict)
+
+
+def report_of(lane, leaks: dict[str, int], *, max_debts: int = 0,
+              errors_seen: dict[str, int] | None = None) -> EngineReport:
+    """An in-process lane's report, once its leaks were counted."""
+    return EngineReport(lane.name, lane.index, lane.engine.tally,
+                        reconcile(lane.orch, lane.engine), leaks,
+                        late_replies=lane.conn.late_replies, max_debts=max_debts,
+                        dead=sorted(dead_threads([lane], engines_alive=False)),
+                        error=lane.error, errors_seen=dict(errors_seen or {}))
 
 
 @dataclass
@@ -182,29 +254,26 @@ class Played:
     t_fault_end: float | None = None
 
 
-def judge(scn: Scenario, lanes: list, daemon: DaemonProcess, proxy: FaultProxy | None,
-          played: Played, errors: ErrorLog) -> Result:
-    """After the rounds: wait for the daemon and the owed releases to settle, count leaks,
-    reconcile every engine's counters and sum the engines' tallies into one Result."""
-    engines = len(lanes)
-    dead = played.dead | dead_threads(lanes, engines_alive=False)
-    if proxy is not None:
-        proxy.clear()
-    leaks, by_engine = count_leaks(lanes, daemon)
-    dead |= dead_threads(lanes, engines_alive=False)
+def judge(scn: Scenario, reports: list[EngineReport], daemon_leaks: dict[str, int],
+          proxy: FaultProxy | None, played: Played, errors: ErrorLog) -> Result:
+    """After the rounds, once every engine settled and its leaks were counted: reconcile
+    every engine's counters and sum the engines' reports into one Result."""
+    engines = len(reports)
+    dead = set(played.dead).union(*(r.dead for r in reports))
     # A hostile payload that ran would leave its marker file: count it as wrong bytes.
     ran = sum(1 for r in scn.fault.rules
               if r.get("payload_path") and Path(r["payload_path"]).exists())
-    mismatches = [f"{lane.name}: {m}" if engines > 1 else m
-                  for lane in lanes for m in reconcile(lane.orch, lane.engine)]
-    tallies = [lane.engine.tally for lane in lanes]
-    worst_lane = max(lanes, key=lambda lane: lane.engine.tally.worst_overshoot_s)
-    worst = worst_lane.engine.tally
+    mismatches = [f"{r.name}: {m}" if engines > 1 else m for r in reports for m in r.mismatches]
+    leaks = {k: sum(r.leaks.get(k, 0) for r in reports) for k in reports[0].leaks} | daemon_leaks
+    tallies = [r.tally for r in reports]
+    worst_rep = max(reports, key=lambda r: r.tally.worst_overshoot_s)
+    worst = worst_rep.tally
     return_times = [x for t in tallies for x in t.return_times]
     hits = [t.first_hit_after["recovery"] for t in tallies if "recovery" in t.first_hit_after]
-    degraded = Counter()
-    for t in tallies:
-        degraded.update(t.degraded)
+    degraded, seen = Counter(), Counter(errors.seen)
+    for r in reports:
+        degraded.update(r.tally.degraded)
+        seen.update(r.errors_seen)
     t_end = played.t_fault_end
     return Result(
         name=scn.name, hung=sum(t.hung for t in tallies) + len(played.hung_engines),
@@ -215,25 +284,37 @@ def judge(scn: Scenario, lanes: list, daemon: DaemonProcess, proxy: FaultProxy |
         leaks=leaks, counter_mismatches=mismatches,
         worst_overshoot_ms=(worst.worst_overshoot_s * 1000 if return_times else None),
         worst_overshoot_detail=worst.worst_overshoot_detail | (
-            {"engine": worst_lane.name} if engines > 1 and worst.worst_overshoot_detail else {}),
-        errors_logged=dict(sorted(errors.seen.items())),
-        missing_errors=[e for e in scn.expect_logged if not errors.logged(e)],
-        engines=engines, max_debts_queued=played.max_debts, dead_threads=sorted(dead),
-        extra=_extra(lanes, tallies, by_engine, proxy, played),
+            {"engine": worst_rep.name} if engines > 1 and worst.worst_overshoot_detail else {}),
+        worst_judged_detail=_worst_judged(reports),
+        errors_logged=dict(sorted(seen.items())),
+        missing_errors=[e for e in scn.expect_logged
+                        if not any(k == e or k.startswith(f"{e}:") for k in seen)],
+        engines=engines, max_debts_queued=max([played.max_debts] + [r.max_debts for r in reports]),
+        dead_threads=sorted(dead),
+        excused_ms=sum(t.excused_s for t in tallies) * 1e3,
+        worst_excused_ms=max(t.worst_excused_s for t in tallies) * 1e3,
+        extra=_extra(reports, proxy, played),
         **{k: sum(getattr(t, k) for t in tallies) for k in (
             "requests", "loaded", "loaded_tokens", "recomputed_tokens", "loaded_from_others")},
     )
 
 
-def _extra(lanes: list, tallies: list, by_engine: list, proxy: FaultProxy | None,
-           played: Played) -> dict:
+def _worst_judged(reports: list[EngineReport]) -> dict:
+    rep = max(reports, key=lambda r: r.tally.worst_judged_s)
+    d = rep.tally.worst_judged_detail
+    return d | ({"engine": rep.name} if len(reports) > 1 and d else {})
+
+
+def _extra(reports: list[EngineReport], proxy: FaultProxy | None, played: Played) -> dict:
     """The run's details beside the verdict (the JSON report leaves them out)."""
-    return {"late_replies": sum(lane.conn.late_replies for lane in lanes),
-            "load_times": [x for t in tallies for x in t.load_times],
+    return {"late_replies": sum(r.late_replies for r in reports),
+            "load_times": [x for r in reports for x in r.tally.load_times],
             "proxy": proxy.stats if proxy is not None else {},
             "rounds": played.rounds, "hung_engines": played.hung_engines,
-            "engine_errors": {lane.name: lane.error for lane in lanes if lane.error},
-            "per_engine": [{"name": lane.name, "requests": t.requests, "loaded": t.loaded,
-                            "loaded_from_others": t.loaded_from_others, "hung": t.hung,
-                            "leaks": by_engine[lane.index]}
-                           for lane, t in zip(lanes, tallies)]}
+            "engine_errors": {r.name: r.error for r in reports if r.error},
+            "per_engine": [{"name": r.name, "requests": r.tally.requests,
+                            "loaded": r.tally.loaded,
+                            "loaded_from_others": r.tally.loaded_from_others,
+                            "hung": r.tally.hung, "leaks": r.leaks,
+                            "excused_ms": r.tally.excused_s * 1e3}
+                           for r in reports]}

@@ -20,9 +20,15 @@ LAYOUT = KVLayout(num_layers=2, num_heads=4, head_dim=16, dtype=torch.float16, c
 
 
 class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    kind: Literal["none", "kill", "hang", "restart", "absent_at_start", "wire"] = "none"
+    kind: Literal["none", "kill", "hang", "restart", "absent_at_start", "wire",
+                  "flicker"] = "none"
     start: float = 0.3          # fraction of the requests when the fault begins
     end: float = 0.6            # ... and when it is lifted
+    # flicker: in this share of the rounds between start and end, the daemon is stopped
+    # (SIGSTOP) for pause_ms, from a random instant in the round's first `within_ms`.
+    probability: float = 0.1
+    pause_ms: float = 30.0
+    within_ms: float = 20.0
     rules: list[dict] = []      # wire: FaultRule fields
     # wire: the rules are in force before the orchestrator's first registration (a daemon of
     # another version at start), lifted at `end`; `start` is then unused.

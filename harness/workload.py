@@ -90,9 +90,16 @@ class Tally:
     #: the host, in garbage collection (any thread), blocked (sleeping: socket poll, GIL,
     #: locks), and the CPU other threads of this process used meanwhile.
     worst_overshoot_detail: dict = field(default_factory=dict)
+    #: The same for the call judged the most late: past its deadline less what was excused.
+    worst_judged_s: float = -math.inf
+    worst_judged_detail: dict = field(default_factory=dict)
     first_hit_after: dict[str, float] = field(default_factory=dict)
     #: Loads whose KV this engine never sent to the daemon itself: another engine stored it.
     loaded_from_others: int = 0
+    #: What the deadline judgement excused (`OsDelay.excused`), summed over every call and
+    #: the most for one call, seconds.
+    excused_s: float = 0.0
+    worst_excused_s: float = 0.0
 
 
 class Workload:
@@ -156,9 +163,10 @@ class Engine:
     def __init__(self, orch: LoadBackOrchestrator, pool: KVPool, layout: KVLayout,
                  slots: SlotAllocator, *, deadline_slack_s: float = 0.005,
                  abort_ratio: float = 0.05, seed: int = 0, name: str = "",
-                 os_delay=OsDelay) -> None:
+                 os_delay=OsDelay, excuse_cap_s: float = 0.25) -> None:
         self.orch, self.pool, self.layout, self.slots = orch, pool, layout, slots
         self.slack = deadline_slack_s
+        self.excuse_cap_s = excuse_cap_s  # the most the machine may excuse of one call
         self.os_delay = os_delay  # what measures the machine's share of a call (tests swap it)
         self.rng = random.Random(seed ^ 0x5EED)
         self.abort_ratio = abort_ratio
@@ -170,10 +178,11 @@ class Engine:
 
     def _timed(self, op: str, deadline_s: float, fn, *args, **kwargs):
         """Call `fn` and judge its return time against `deadline_s`: hung when it ran past
-        it by more than the slack plus what the machine took from it (`OsDelay`: waiting
-        for a CPU, this process's other threads too, the host's steal, garbage collection). Keeps where the worst call's time went: an overshoot
-        mostly spent waiting for a CPU is the OS's; one spent blocked while other threads
-        of ours ran is ours (GIL)."""
+        it by more than the slack plus what the machine took from this call's thread
+        (`OsDelay`: its wait for a CPU, the host's steal, this process's garbage collection,
+        the fault proxy's CPU where it runs in this process), that allowance capped at
+        `excuse_cap_s`. A call that waited (on the daemon, a lock, another thread) past its
+        deadline is hung. Keeps where the worst call's time went, and what was excused."""
         t = self.tally
         proc0 = time.process_time()
         with self.os_delay() as d:
@@ -181,19 +190,26 @@ class Engine:
         took, proc1 = d.took_s, time.process_time()
         t.return_times.append(took)
         over = took - deadline_s
-        if over - d.seconds > self.slack:
+        excused = min(max(over - self.slack, 0.0), d.excused(self.excuse_cap_s))
+        t.excused_s += excused
+        t.worst_excused_s = max(t.worst_excused_s, excused)
+        if over - excused > self.slack:
             t.hung += 1
-        if over > t.worst_overshoot_s:
-            t.worst_overshoot_s = over
+        if over > t.worst_overshoot_s or over - excused > t.worst_judged_s:
             own_ms, wait_ms = d.cpu_s * 1e3, d.run_queue_s * 1e3
-            t.worst_overshoot_detail = {
+            detail = {
                 "op": op, "took_ms": took * 1e3, "deadline_ms": deadline_s * 1e3,
                 "own_cpu_ms": own_ms, "run_queue_wait_ms": wait_ms,
                 "others_run_queue_ms": d.others_run_queue_s * 1e3,
                 "foreign_cpu_ms": d.foreign_cpu_s * 1e3,
                 "steal_ms": d.steal_s * 1e3, "gc_ms": d.gc_s * 1e3,
+                "excused_ms": excused * 1e3,
                 "blocked_ms": max(0.0, took * 1e3 - own_ms - wait_ms),
                 "other_threads_cpu_ms": max(0.0, (proc1 - proc0) * 1e3 - own_ms)}
+            if over > t.worst_overshoot_s:
+                t.worst_overshoot_s, t.worst_overshoot_detail = over, detail
+            if over - excused > t.worst_judged_s:
+                t.worst_judged_s, t.worst_judged_detail = over - excused, detail
         return result, took
 
     def request(self, prompt: list[int], local: int, *, phase: str = "") -> None:
@@ -209,7 +225,7 @@ class Engine:
             held.append(local_slots)
             if local:
                 write_kv(self.pool, self.layout, prefix_kv(self.layout, prompt, 0, local), local_slots)
-            m, _ = self._timed("match", orch.config.deadlines.lookup_ms / 1000,
+            m, _ = self._timed("match", self._match_deadline_s(len(prompt) - local),
                                orch.match, rid, prompt, local_hit_tokens=local)
             n = m.tokens
             loaded = 0
@@ -238,6 +254,15 @@ class Engine:
         finally:
             for s in held:
                 self.slots.release(s)
+
+    def _match_deadline_s(self, most_tokens: int) -> float:
+        """match's bound: the LOOKUP's deadline; on shared memory with prepare_at_match, plus
+        the retrieve deadline of what it may prepare (match takes that round trip)."""
+        cfg = self.orch.config
+        bound = cfg.deadlines.lookup_ms / 1000
+        if cfg.prepare_at_match and self.orch.connector.transfer == "shm":
+            bound += cfg.deadlines.retrieve_s(most_tokens)
+        return bound
 
     def _load(self, rid: str, prompt: list[int], local: int, n: int, phase: str,
               held: list[torch.Tensor]) -> tuple[int, torch.Tensor | None]:

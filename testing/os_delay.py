@@ -3,8 +3,10 @@ calling thread waited for a CPU (the OS run queue), how long the host kept this 
 virtual CPUs (steal), and how long Python's garbage collector stopped this process.
 
 Deadline judgements (tests, the chaos harness) allow a call to run past its deadline by a
-slack plus this delay: a call that waited on the daemon past its deadline is a hang; one the
-machine did not run is not. A full collection in a process the size of a test run (or an
+slack plus this delay, capped (`excused`): a call that waited past its deadline (on the
+daemon, on a lock, on another thread of its process) is a hang; one the machine did not run
+is not. What other threads of the process waited for a CPU is reported, never excused: it
+grows with the thread count and the machine's load, not with what this call lost. A full collection in a process the size of a test run (or an
 engine's) takes 100-150 ms here, and it holds the interpreter: every thread stops, whichever
 one triggered it. The OS figures are 0 where /proc lacks them (not Linux).
 """
@@ -88,17 +90,16 @@ def gc_seconds() -> float:
 
 
 class OsDelay:
-    """`with OsDelay() as d: call()`, then `d.run_queue_s`, `d.others_run_queue_s`,
-    `d.steal_s`, `d.gc_s` and `d.seconds` (their sum). Steal is the most any one virtual CPU
-    lost meanwhile (clock-tick resolution, 10 ms on most kernels): the thread ran on one of
-    them at a time. gc_s counts every collection in the process meanwhile, on any thread.
-    others_run_queue_s is what this process's other threads waited for a CPU meanwhile,
-    summed (an upper bound on what the call lost to them): one of them may hold the
-    interpreter lock the call waits for (the heartbeat, the releaser), and while the OS does
-    not run it, the call waits too. `foreign`: ids of threads in this process that stand for
-    another process (a test's fault proxy, in production the network and the daemon); their
-    CPU time meanwhile is `foreign_cpu_s`, also excused (they hold the interpreter lock
-    while they work).
+    """`with OsDelay() as d: call()`, then `d.run_queue_s`, `d.steal_s`, `d.gc_s`,
+    `d.foreign_cpu_s` and `d.seconds` (their sum: what the machine took from this call's
+    thread), `d.excused(cap_s)` (that sum, at most `cap_s`). Steal is the most any one
+    virtual CPU lost meanwhile (clock-tick resolution, 10 ms on most kernels): the thread ran
+    on one of them at a time. gc_s counts every collection in the process meanwhile, on any
+    thread. `foreign`: ids of threads in this process that stand for another process (a
+    test's fault proxy, in production the network and the daemon); their CPU time meanwhile
+    is `foreign_cpu_s` (they hold the interpreter lock while they work).
+    others_run_queue_s, what this process's other threads waited for a CPU meanwhile
+    (summed), is reported only: it is no part of `seconds`.
 
     Also `d.cpu_s`, the calling thread's own time on a CPU, and `d.took_s`."""
 
@@ -134,8 +135,11 @@ class OsDelay:
 
     @property
     def seconds(self) -> float:
-        return (self.run_queue_s + self.others_run_queue_s + self.foreign_cpu_s + self.steal_s
-                + self.gc_s)
+        return self.run_queue_s + self.foreign_cpu_s + self.steal_s + self.gc_s
+
+    def excused(self, cap_s: float) -> float:
+        """What a deadline judgement may excuse of this call: `seconds`, at most `cap_s`."""
+        return min(self.seconds, cap_s)
 
     def describe(self) -> str:
         return (f"took {self.took_s * 1e3:.1f} ms: {self.cpu_s * 1e3:.1f} ms on a CPU, "

@@ -64,9 +64,10 @@ def test_a_thread_sharing_its_cpu_with_a_busy_process_shows_the_run_queue_wait()
 
 
 @linux
-def test_another_thread_of_the_process_kept_off_its_cpu_counts_too():
+def test_another_threads_run_queue_wait_is_reported_and_not_excused():
     """The call sleeps; another thread of this process (pinned beside the busy process, as
-    a heartbeat holding the interpreter lock might be) waits for a CPU meanwhile."""
+    a heartbeat holding the interpreter lock might be) waits for a CPU meanwhile: reported,
+    but no part of what the machine took from this call's thread."""
     spun, done = threading.Event(), threading.Event()
 
     def other(cpu: int) -> None:
@@ -85,7 +86,8 @@ def test_another_thread_of_the_process_kept_off_its_cpu_counts_too():
             done.set()
             th.join(30)
     assert d.others_run_queue_s >= 0.03 and d.run_queue_s < d.others_run_queue_s, d.describe()
-    assert d.seconds >= d.others_run_queue_s
+    assert d.seconds == pytest.approx(d.run_queue_s + d.foreign_cpu_s + d.steal_s + d.gc_s)
+    assert d.excused(0.001) == min(d.seconds, 0.001)
 
 
 @linux
@@ -126,6 +128,9 @@ class _Took:
     def seconds(self) -> float:
         return self.run_queue_s + self.steal_s + self.gc_s
 
+    def excused(self, cap_s: float) -> float:
+        return min(self.seconds, cap_s)
+
 
 @pytest.mark.parametrize("run_queue_s, steal_s, gc_s, hung", [
     (0.0, 0.0, 0.0, 1),      # 40 ms late, nothing the machine's: hung
@@ -149,6 +154,21 @@ def test_the_judge_excuses_what_the_machine_took_and_nothing_more(run_queue_s, s
     assert d["steal_ms"] == pytest.approx(steal_s * 1e3)
     assert d["run_queue_wait_ms"] == pytest.approx(run_queue_s * 1e3)
     assert d["gc_ms"] == pytest.approx(gc_s * 1e3)
+
+
+def test_the_allowance_is_capped_per_call_and_what_was_excused_is_kept():
+    """A 600 ms call against a 10 ms deadline during which the process collected garbage
+    for 500 ms: at most the cap (250 ms) is the machine's; the rest is the call's."""
+    e = Engine(None, None, None, None, deadline_slack_s=0.005, os_delay=_Took(0.6, 0, 0, 0.5),
+               excuse_cap_s=0.25)
+    e._timed("load_back", 0.01, lambda: None)
+    assert e.tally.hung == 1
+    assert e.tally.excused_s == e.tally.worst_excused_s == pytest.approx(0.25)
+    e.os_delay = _Took(0.05, 0.038, 0, 0)  # 40 ms late, 38 ms of it waiting for a CPU
+    e._timed("load_back", 0.01, lambda: None)
+    assert e.tally.hung == 1  # excused: only what it needed, 35 ms past the 5 ms slack
+    assert e.tally.excused_s == pytest.approx(0.25 + 0.035)
+    assert e.tally.worst_excused_s == pytest.approx(0.25)
 
 
 def test_a_garbage_collection_during_the_call_is_counted_whichever_thread_ran_it():
