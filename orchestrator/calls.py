@@ -131,12 +131,16 @@ class PrefixCalls:
             raise
         except ConnectorError as exc:
             p.lease.forfeit()
+            # Not before the daemon answered the LOOKUP: an abandon served first finds no
+            # prefetch (query answers 0, the free releases nothing) and the LOOKUP then
+            # locks its whole hit until the read TTL.
             self.link.owe("abandon_lookup", k.request_id, p.epoch, lambda t: (
                 self.connector.abandon_lookup(k.token_ids, k.request_id, t,
                                               cache_salt=k.cache_salt)),
-                idempotent=True)
+                idempotent=True,
+                ready=lambda: self.connector.unanswered(k.request_id) == 0)
             raise LookupAbandoned(exc) from exc
-        p.lease = Lease(k, p.epoch, 0, hit)
+        p.lease = Lease(k, p.epoch, 0, hit, taken_at=sent)
         return hit
 
     # -------------------------------------------------------------- RETRIEVE
