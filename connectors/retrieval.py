@@ -35,10 +35,12 @@ class Retrieval:
     first `asked`, the lookup's read locks on [start, end) are no longer the caller's to
     free (`locks_moved`): what this retrieval owes releases every one of them.
 
-    `release(timeout_s)` pays what is owed, each step at most once and in order (released
-    twice, paid once; a step that raises stays owed and is tried first next time).
+    Each step owed is an obligation of its own: `release(timeout_s)` tries every step, in
+    order, each with the whole `timeout_s` (released twice, paid once; a step that raises
+    stays owed, the steps after it are still tried, and the first raise goes to the caller).
     `hand_over()` answers True exactly once, when something is owed: the caller then queues
-    `release` as one debt of incarnation `epoch`; nothing may be recorded after it.
+    each of `owed` as a debt of incarnation `epoch`, paid by `pay_step`; nothing may be
+    recorded after it.
     """
 
     def __init__(self, epoch: int, start: int, end: int, *, shard: bool = False) -> None:
@@ -106,8 +108,7 @@ class Retrieval:
     def owed(self) -> list[Owed]:
         """What is owed and not yet paid, in the order it will be paid."""
         with self._lock:
-            rest = [Owed("free_locks", self.asked_to, self.end, self._pay_rest)] \
-                if self._rest_due else []
+            rest = [self._rest_step()] if self._rest_due else []
             return list(self._owed) + rest
 
     @property
@@ -119,29 +120,56 @@ class Retrieval:
         return self._rest is not None and self.start < self.asked_to < self.end
 
     def hand_over(self) -> bool:
-        """True the first time it is asked while something is owed (the caller queues
-        `release`, once); False after that, or when nothing is owed. Closes the record."""
+        """True the first time it is asked while something is owed (the caller queues each
+        step of `owed`, once); False after that, or when nothing is owed. Closes the record:
+        the free of what was never asked for becomes a step of its own."""
         first, self._handed_over = not self._handed_over, True
+        if first:
+            with self._lock:
+                self._fix_rest()
         return first and self.owes
 
     def release(self, timeout_s: float) -> bool:
-        """Pay what is owed, each step at most once; a step that raises stays at the head
-        (its exception goes to the caller, which decides whether to ask again)."""
-        deadline = time.monotonic() + timeout_s
+        """Pay every step owed, each at most once and with its own `timeout_s`: a step that
+        raises stays owed and the steps after it are still tried; the first raise then goes
+        to the caller, which decides whether to ask again."""
+        failed: BaseException | None = None
         with self._lock:
-            while self._owed:
-                step = self._owed[0]
-                step.pay(max(0.0, deadline - time.monotonic()))
-                self.paid.append(self._owed.pop(0))
-            if self._rest_due:
-                step = Owed("free_locks", self.asked_to, self.end, self._pay_rest)
-                step.pay(max(0.0, deadline - time.monotonic()))
-                self.paid.append(step)
-            self._rest = None
+            self._fix_rest()
+            for step in list(self._owed):
+                try:
+                    step.pay(timeout_s)
+                except Exception as exc:  # noqa: BLE001 - owed still; raised after the rest
+                    failed = failed or exc
+                    continue
+                self._settle(step)
+        if failed is not None:
+            raise failed
         return True
 
-    def _pay_rest(self, timeout_s: float) -> object:
-        return self._rest(self.asked_to, self.end, timeout_s)
+    def pay_step(self, step: Owed, timeout_s: float) -> object:
+        """Pay one step of `owed` (a debt of its own once handed over); a step already paid
+        is not sent again. What it raises leaves it owed."""
+        with self._lock:
+            if not any(o is step for o in self._owed):
+                return True
+            result = step.pay(timeout_s)
+            self._settle(step)
+            return result
+
+    def _settle(self, step: Owed) -> None:
+        self._owed = [o for o in self._owed if o is not step]
+        self.paid.append(step)
+
+    def _rest_step(self) -> Owed:
+        s, pay = self.asked_to, self._rest
+        return Owed("free_locks", s, self.end, lambda t: pay(s, self.end, t))
+
+    def _fix_rest(self) -> None:
+        """The free of [asked_to, end), due now, becomes a step like the others."""
+        if self._rest_due:
+            self._owed.append(self._rest_step())
+        self._rest = None
 
     def pay_commits(self, upto: int, timeout_s: float) -> int:
         """Pay, now, the commits at the head of what is owed that end by `upto` (pieces

@@ -236,12 +236,19 @@ def render_yaml(host: str, port: int, chunk: int, recs, header: list[str]) -> st
     return "\n".join(lines) + "\n"
 
 
+def daemon_command(host: str, port: int) -> str:
+    """The daemon's command line as docs/operations.md gives it (N: the config's chunk_size)."""
+    return (f"python -m lmcache.v1.multiprocess.server --host {host} --port {port} "
+            "--chunk-size N --l1-size-gb GB --eviction-policy LRU --supported-transfer-mode auto "
+            "--shm-name NAME --no-l1-use-lazy")
+
+
 def _unreachable(host: str, port: int, endpoint: str, exc: Exception) -> None:
     """Say why the daemon cannot be used, and how to fix it."""
     addr = f"{host}:{port}"
     fix = (f"install lmcache=={PROTOCOL_VERSION} on the daemon's side" if isinstance(exc, VersionSkew)
-           else f"start the daemon there (python -m lmcache.v1.multiprocess.server --host {host} "
-                f"--port {port} --chunk-size N) or pass the address it listens on: --daemon HOST:PORT")
+           else f"start the daemon there ({daemon_command(host, port)}; docs/operations.md, "
+                "\"Starting the daemon\") or pass the address it listens on: --daemon HOST:PORT")
     print(f"error: cannot use the LMCache daemon at {addr} ({endpoint}) within "
           f"{CONNECT_TIMEOUT_S:g} s: {type(exc).__name__}: {exc}\nfix: {fix}", file=sys.stderr)
 

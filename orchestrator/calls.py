@@ -6,6 +6,7 @@ goes to the `DaemonLink` as a debt of the daemon incarnation it belongs to.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -275,10 +276,13 @@ class PrefixCalls:
                 p.lease.forfeit()  # what `r` owes releases them
 
     def _hand_over(self, p: Prefix, r: Retrieval, ready: Callable[[], bool] | None) -> None:
-        """What `r` owes becomes one debt of its daemon incarnation (at most once per
-        retrieval, whatever path ends it); `ready`: not paid before it holds."""
+        """Each step `r` owes becomes a debt of its own, of its daemon incarnation (at most
+        once per retrieval, whatever path ends it): one that times out stays owed without
+        costing the steps after it their turn. `ready`: none is paid before it holds."""
         if r.hand_over():
-            self.link.owe("commit_retrieve", p.request_id, r.epoch, r.release, ready=ready)
+            for step in r.owed:
+                self.link.owe(step.what, p.request_id, r.epoch,
+                              functools.partial(r.pay_step, step), ready=ready)
 
     # ------------------------------------------------------------- releases
 

@@ -18,9 +18,11 @@ from .exit_codes import EPILOG, EXIT_INVALID, EXIT_UNREADABLE, EXIT_USAGE
 
 quiet_telemetry()
 
-DESCRIPTION = ("Fault-tolerant load-back between SGLang's prefix cache and an LMCache "
-               "multi-process daemon: run the demos, the chaos harness and the benchmarks, tune "
-               "deadlines against a running daemon, and check or export configs.")
+DESCRIPTION = ("Fault-tolerant load-back between an engine's prefix cache (SGLang's "
+               "radix-cache backend `loadback`, vLLM's KV connector `LoadBackConnector`) and an "
+               "LMCache multi-process daemon: run the demos, the chaos harness and the "
+               "benchmarks, tune deadlines against a running daemon, read a deployment's "
+               "status, and check or export configs.")
 DISTRIBUTION = "lmcache-loadback"
 #: `sglang-demo --sides`: the backends it can run, in the order it runs them
 SGLANG_DEMO_SIDES = ("ours", "upstream")
@@ -244,13 +246,14 @@ _BENCH_MODULES = {"vllm": "vllm_load"}
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator), "
-                       "gpu (CUDA KV pool), vllm (vLLM CPU load path)",
+                       "gpu (CUDA KV pools), vllm (the vLLM worker's load path on CPU)",
                        description="Exits 1 when a target is missed or a contender dropped, "
                        "and bench gpu on a host without CUDA.")
     p.add_argument("suite", choices=["client", "core", "gpu", "vllm"],
                    help="client: the wire client against LMCache's; core: the orchestrator's "
-                   "own cost and deadline keeping; gpu: load-back into a CUDA KV pool; vllm: "
-                   "the vLLM worker's load into its CPU paged cache against LMCache's own")
+                   "own cost and deadline keeping; gpu: load-back into a CUDA KV pool (and into "
+                   "vLLM's CUDA paged layout); vllm: the vLLM worker's load into vLLM's CPU paged "
+                   "cache against LMCache's own")
     p.add_argument("--json", metavar="FILE", help="also write the figures and verdicts")
     p.add_argument("--samples", type=_count(0), default=0, metavar="N",
                    help="samples per point (0 = the suite's default)")
@@ -291,8 +294,11 @@ def _add_chaos(sub) -> None:
 def _add_tune(sub) -> None:
     p = sub.add_parser("tune", help="measure a running daemon and recommend a config",
                        description="Measure LOOKUP and RETRIEVE of a running daemon with the "
-                       "model's KV layout and write a recommended config. Exits 69 if the "
-                       "daemon cannot be reached, 1 if nothing could be measured.")
+                       "model's KV layout and write a recommended config, for SGLang's backend "
+                       "or vLLM's connector alike. The layout comes from the model's config.json "
+                       "(--model-config, any engine) or a running SGLang server (--server). "
+                       "Exits 69 if the daemon cannot be reached, 1 if nothing could be "
+                       "measured.")
     p.add_argument("--daemon", required=True, metavar="HOST:PORT",
                    help="the LMCache daemon to measure")
     p.add_argument("--out", default="loadback-tuned.yaml", metavar="FILE",
@@ -305,7 +311,8 @@ def _add_tune(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)  # the KV layout comes from the model
     src.add_argument("--model-config", metavar="PATH", help="the model's HF config.json")
     src.add_argument("--server", metavar="URL", help="a running SGLang server, e.g. "
-                     "http://127.0.0.1:30000 (reads its model directory's config.json)")
+                     "http://127.0.0.1:30000 (reads its model directory's config.json); for "
+                     "vLLM pass --model-config with the served model's config.json")
     p.add_argument("--tp-size", type=_count(1), default=1, metavar="N",
                    help="with --model-config: tensor-parallel ranks sharing the KV heads")
     p.add_argument("--json", metavar="FILE", help="also write the raw measurements")
@@ -315,8 +322,9 @@ def _add_tune(sub) -> None:
 def _add_status(sub) -> None:
     p = sub.add_parser(
         "status", help="how a running deployment is: daemon, breaker, queues, owed releases",
-        description="Read a running deployment's /metrics (this product's own server, or "
-        "SGLang's with --enable-metrics, which carries ours) and print the daemon address, "
+        description="Read a running deployment's /metrics (this product's own server: "
+        "SGLang's scheduler, or each vLLM worker rank, on metrics.port + rank; or SGLang's "
+        "with --enable-metrics, which carries ours) and print the daemon address, "
         "registration epoch, breaker state, transfer mode, live prefixes, owed releases, "
         "worker queue depths, dropped fences, scheduler wait and the last refusal reason. "
         "Exits 69 if the endpoint cannot be read or serves no loadback_* series.")

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from lmcache_loadback.connectors.base import Connector
-from lmcache_loadback.connectors.errors import ConnectorError, DaemonUnavailable
+from lmcache_loadback.connectors.errors import (
+    ConnectorError,
+    DaemonTimeout,
+    DaemonUnavailable,
+    RequestDropped,
+)
 from lmcache_loadback.metrics import LoadbackMetrics
 
 from .policies import CircuitBreaker
@@ -47,6 +52,10 @@ class Debt:
     max_tries: int = 20
     #: Its run or ready raised unexpectedly and that was logged at WARNING (once a debt).
     warned: bool = False
+    #: Its call timed out: sent, and the daemon may serve it still. Never sent again (unless
+    #: idempotent); owed until the daemon answered every call of the request (then paid),
+    #: or dropped with its incarnation.
+    sent: bool = False
 
 
 class DebtBook:
@@ -122,6 +131,8 @@ class DebtBook:
     def _step(self, d: Debt, timeout_s: float, *, on_failure=None) -> str:
         """One try at `d` once its `ready` holds: _PAID, _WAIT (not ready) or _LATER. An
         unexpected raise from `ready` or `run` is `_raised`'s to handle, never the caller's."""
+        if d.sent:  # in the daemon's hands: paid once it answered, never sent twice
+            return _PAID if self.connector.unanswered(d.request_id) == 0 else _LATER
         if d.ready is not None:
             try:
                 if not d.ready():
@@ -170,6 +181,24 @@ class DebtBook:
             if on_failure:
                 on_failure(False)
             return False  # nothing was sent
+        except DaemonTimeout:
+            if on_failure:
+                on_failure(False)
+            if d.idempotent:
+                d.tries += 1
+                return self._out_of_tries(d)
+            d.sent = True  # owed until the daemon answered it (`_step`); never resent
+            return False
+        except RequestDropped as exc:
+            if on_failure:
+                on_failure(False)
+            if d.idempotent:
+                d.tries += 1
+                return self._out_of_tries(d)
+            log.debug("%s for %s dropped by the daemon, never applied: %s", d.what,
+                      d.request_id, exc)
+            self._give_up(d)  # never applied, and its handler would raise again: unpaid
+            return True
         except ConnectorError as exc:
             if on_failure:
                 on_failure(False)
@@ -184,6 +213,10 @@ class DebtBook:
         if done:
             return True
         d.tries += 1
+        return self._out_of_tries(d)
+
+    def _out_of_tries(self, d: Debt) -> bool:
+        """False while `d` has tries left; else given up (counted) and True."""
         if d.tries < d.max_tries:
             return False
         self._give_up(d)

@@ -29,8 +29,9 @@ class StatusUnavailable(Exception):
 def fix_hint(url: str, why: str) -> str:
     """The one-line error: the URL, why, and the fix."""
     return (f"cannot read loadback metrics at {url}: {why}; start the engine with "
-            "`metrics: {enabled: true}` in its loadback YAML (or SGLang's --enable-metrics) "
-            "and pass --url http://HOST:PORT/metrics (TP rank r serves on metrics.port + r)")
+            "`metrics: {enabled: true}` in its loadback YAML (SGLang's scheduler or vLLM's "
+            "worker rank r serves on metrics.port + r), or SGLang with --enable-metrics, and "
+            "pass --url http://HOST:PORT/metrics")
 
 
 def fetch(url: str, timeout_s: float = 5.0) -> str:
@@ -195,7 +196,8 @@ def status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
         raise StatusUnavailable(fix_hint(url, str(exc))) from None
     if not samples:
         raise StatusUnavailable(fix_hint(url,
-            "it serves no loadback_* series (is --radix-cache-backend loadback on?)"))
+            "it serves no loadback_* series (is SGLang's --radix-cache-backend loadback, or "
+            "vLLM's kv_connector LoadBackConnector, on?)"))
     return summarize(samples, url=url)
 
 

@@ -182,3 +182,20 @@ def test_help_version_and_config_import_neither_sglang_nor_torch(argv):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "HEAVY []" in r.stderr
+
+
+@pytest.mark.parametrize("argv", [["tune", "--help"], ["status", "--help"]])
+def test_help_speaks_of_both_engines(capsys, argv):
+    """The product serves SGLang and vLLM: the help a user reads first names both."""
+    code, out, _ = run(capsys, *argv)
+    flat = " ".join(out.split())
+    assert code == 0 and "SGLang" in flat and "vLLM" in flat, flat
+    desc = cli.build_parser().description   # what `loadback --help` opens with
+    assert "SGLang" in desc and "vLLM" in desc, desc
+
+
+def test_status_unreadable_hint_names_both_engines():
+    from lmcache_loadback.orchestrator.status import fix_hint
+
+    hint = fix_hint("http://127.0.0.1:1/metrics", "connection refused")
+    assert "\n" not in hint and "SGLang" in hint and "vLLM" in hint, hint

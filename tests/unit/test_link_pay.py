@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from lmcache_loadback.connectors.errors import DaemonTimeout, RequestDropped
 from lmcache_loadback.connectors.kv_layout import KVLayout
 from lmcache_loadback.testing.memory import InMemoryConnector
 from lmcache_loadback.orchestrator import LoadBackConfig
@@ -190,3 +191,60 @@ def test_a_debt_being_paid_is_still_pending_until_its_call_returned():
         go.set()
         payer.join(10)
     assert not payer.is_alive() and link.pending() == 0
+
+
+def _timing_out(led: Ledger, name: str, request_id: str, calls: list) -> Debt:
+    """A free_locks whose call times out the first time (sent: the daemon may serve it)."""
+    def run(timeout_s: float) -> bool:
+        calls.append(name)
+        if len(calls) == 1:
+            raise DaemonTimeout("free_lookup_locks", timeout_s)
+        led.paid.append(name)
+        return True
+
+    return Debt("free_locks", request_id, led.link.connector.epoch, run)
+
+
+def test_a_release_that_timed_out_stays_owed_until_the_daemon_answered_it_never_resent():
+    """Not idempotent, so never sent twice; but not paid either until the daemon answered
+    it: the request's later debts wait behind it (a session end must not overtake it).
+    Before: marked paid at the timeout, and the debts behind it went out at once."""
+    link = _link()
+    led = Ledger(link)
+    calls: list[str] = []
+    waiting = {"r1": 1}
+    link.connector.unanswered = lambda request_id=None: waiting.get(request_id, 0)
+    led.queue(_timing_out(led, "timed-out", "r1", calls), led.debt("after", "r1"),
+              led.debt("other", "r2"))
+    link.pay()
+    link.pay()
+    assert calls == ["timed-out"] and led.paid == ["other"] and link.pending("r1") == 2
+    waiting["r1"] = 0  # the daemon answered it
+    link.pay()
+    assert calls == ["timed-out"] and led.paid == ["other", "after"]
+    assert link.pending() == 0 and _failed(link, "free_locks") == 0
+
+
+def test_a_timed_out_release_of_a_daemon_that_restarted_is_dropped_and_counted():
+    link = _link()
+    led = Ledger(link)
+    link.connector.unanswered = lambda request_id=None: 1
+    led.queue(_timing_out(led, "timed-out", "r1", []))
+    link.pay()
+    assert link.pending() == 1
+    link.connector.epoch += 1  # the daemon restarted: it never held what it would release
+    link.pay()
+    assert link.pending() == 0 and link.stale_dropped == 1
+
+
+def test_a_release_the_daemon_dropped_unserved_is_counted_failed():
+    """RequestDropped: the daemon answered a later call but never this one (its handler
+    raised). Never applied, so never paid: counted. Before: counted nowhere."""
+    link = _link()
+
+    def dropped(_t: float) -> bool:
+        raise RequestDropped("free_lookup_locks: the daemon answered a later noop")
+
+    link._queue(Debt("free_locks", "r1", link.connector.epoch, dropped))
+    link.pay()
+    assert link.pending() == 0 and _failed(link, "free_locks") == 1

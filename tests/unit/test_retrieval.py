@@ -7,6 +7,7 @@ read locks are the caller's to free exactly when no debt covers them."""
 from __future__ import annotations
 
 import collections
+import time
 
 import msgspec
 import pytest
@@ -26,6 +27,12 @@ from lmcache_loadback.connectors.kv_layout import KVLayout
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from lmcache_loadback.connectors.retrieval import CommitBehind, Retrieval
 from lmcache_loadback.connectors.safe_decode import dump_tensor_list
+from lmcache_loadback.orchestrator import LoadBackConfig
+from lmcache_loadback.orchestrator.calls import Prefix, PrefixCalls
+from lmcache_loadback.orchestrator.instruments import product_metrics
+from lmcache_loadback.orchestrator.leases import Lease, RequestKey
+from lmcache_loadback.orchestrator.link import DaemonLink
+from lmcache_loadback.orchestrator.policies import CircuitBreaker
 from lmcache_loadback.testing.memory import InMemoryConnector
 from tests.conftest import kv_of, make_pool, same_kv
 
@@ -52,7 +59,8 @@ def test_released_twice_is_paid_once_in_order():
     assert [(o.start, o.end) for o in r.paid] == [(0, 32), (32, 64)]
 
 
-def test_a_raising_step_stays_owed_and_is_paid_first_next_time():
+def test_a_raising_step_stays_owed_and_the_steps_after_it_are_still_paid():
+    """Each step is an obligation of its own: one that raises costs the others nothing."""
     paid: list[str] = []
     fail = [True]
 
@@ -67,12 +75,12 @@ def test_a_raising_step_stays_owed_and_is_paid_first_next_time():
     r.owe("free_locks", 64, 96, _paying(paid, "free c"))
     with pytest.raises(DaemonUnavailable):
         r.release(1.0)
-    assert paid == ["commit a"] and [repr(o) for o in r.owed] == [
-        "commit_retrieve[32, 64)", "free_locks[64, 96)"]
+    assert paid == ["commit a", "free c"] and [repr(o) for o in r.owed] == [
+        "commit_retrieve[32, 64)"]
     fail[0] = False
     r.release(1.0)
     r.release(1.0)
-    assert paid == ["commit a", "commit b", "free c"]
+    assert paid == ["commit a", "free c", "commit b"]
 
 
 def test_handed_over_once_and_closed_after():
@@ -192,8 +200,11 @@ class ScriptedTransport:
             return step
         return wire.encode(step)
 
+    #: Calls the scripted "daemon" has not answered yet (a test sets it).
+    pending = 0
+
     def unanswered(self, request_id=None) -> int:
-        return 0
+        return self.pending
 
     def close(self) -> None:
         pass
@@ -334,3 +345,48 @@ def test_a_sharded_retrieval_frees_only_its_own_share_of_the_pieces_never_asked_
     free = t.keys[n + 1:]  # after piece 1's commit
     assert [(k.start, k.end, k.worker_id, k.num_kv_readers) for k in free] == [
         (2 * C, 6 * C, conn.kv_rank, 1)]  # this rank's share, not the group's
+
+
+# -- handed over: each step a debt of its own ----------------------------------------
+
+
+def _calls_over(conn) -> tuple[PrefixCalls, Prefix]:
+    cfg = LoadBackConfig.from_dict({"chunk_size": C, "deadlines": {"control_ms": 100}})
+    breaker = CircuitBreaker(cfg.breaker)
+    link = DaemonLink(conn, cfg, breaker, product_metrics(), background=False)
+    link.registered_epoch = conn.epoch
+    calls = PrefixCalls(conn, link, breaker, link.metrics, clock=time.monotonic,
+                        sleep=lambda _s: None)
+    key = RequestKey.of("r", TOKS)
+    return calls, Prefix(key, 0, conn.epoch, Lease(key, conn.epoch, 0, len(TOKS)))
+
+
+def test_a_release_step_that_times_out_costs_the_later_steps_nothing():
+    """A pipelined load fails at piece 3 (its prepare_retrieve timed out); the release's
+    first commit then times out too. That commit stays owed (never sent twice) until the
+    daemon answered it, and the other commits and the free of the piece never asked for
+    still go out. Before: the whole release was one debt, marked paid at the first
+    timeout; the rest was never sent (the read locks stayed until the daemon's TTL)."""
+    conn, t = _conn(pieces=lambda n: [1, 1, 1, 3])
+    t.script["prepare_retrieve"].extend([_chunks_reply, _chunks_reply,
+                                         DaemonTimeout("prepare_retrieve", 0.1)])
+    calls, p = _calls_over(conn)
+    r = Retrieval(conn.epoch, 0, 6 * C)
+    with pytest.raises(DaemonTimeout):
+        _retrieve(conn, r)
+    t.script["commit_retrieve"].append(DaemonTimeout("commit_retrieve", 0.1))
+    n = len(t.sent)
+    calls._hand_over(p, r, None)
+    t.pending = 1  # the timed-out commit: the daemon may serve it still
+    calls.link.pay()
+    calls.link.pay()
+    assert t.sent[n:] == [("commit_retrieve", (0, C))]  # the rest waits behind it, in order
+    assert calls.link.pending("r") == 4
+    t.pending = 0  # the daemon answered it
+    calls.link.pay()
+    assert t.sent[n:] == [("commit_retrieve", (0, C)), ("commit_retrieve", (C, 2 * C)),
+                          ("commit_retrieve", (2 * C, 3 * C)),
+                          ("free_lookup_locks", (3 * C, 6 * C))]
+    assert calls.link.pending() == 0
+    snap = calls.link.metrics.snapshot()
+    assert snap["loadback_releases_failed_total{what=commit_retrieve}"] == 0

@@ -1,0 +1,99 @@
+"""Each step of a release is an obligation of its own, against the real daemon.
+
+A pipelined load (forced in pieces on a CPU pool, as the CUDA path loads over shared
+memory) fails at piece 3: the daemon is stopped (SIGSTOP) right before that piece's
+prepare_retrieve, which times out and is served once the daemon resumes. Its release owes
+three commits and the free of the piece never asked for; the daemon is stopped again as
+the first commit goes out, so that step times out too. It stays owed (never sent twice)
+until the daemon answered it, and the steps after it still go out: once the debts are paid
+the daemon holds nothing. Measured before the fix: the release was one debt, marked paid at
+the first timeout, and the daemon kept 12 read locks until its 300 s read TTL.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from lmcache_loadback.connectors.errors import DaemonTimeout
+from lmcache_loadback.orchestrator import DegradeReason, PrefixState
+from tests.conftest import make_pool
+from tests.integration.test_abandoned_prepare import (  # noqa: F401 - the module's daemon
+    SETTLE_S,
+    _orch,
+    _stop_before_prepare,
+    _tokens,
+    shm_daemon,
+)
+
+pytestmark = [pytest.mark.daemon, pytest.mark.timeout(180)]
+
+HELD = ("read_locks", "write_locks", "sessions", "prefetch_jobs")
+
+
+def _stop_at_first_commit(orch, d) -> threading.Event:
+    """SIGSTOP the daemon just before the first commit_retrieve goes out; the event is set
+    once that commit timed out."""
+    timed_out = threading.Event()
+    real = orch.connector._call
+
+    def call(op, *a, **k):
+        if op != "commit_retrieve" or timed_out.is_set() or getattr(call, "stopped", False):
+            return real(op, *a, **k)
+        call.stopped = True
+        d.pause()
+        try:
+            return real(op, *a, **k)
+        except DaemonTimeout:
+            timed_out.set()
+            raise
+
+    orch.connector._call = call
+    return timed_out
+
+
+def _nothing_held(orch, d) -> dict:
+    """Wait (bounded) until nothing is owed and the daemon holds nothing of any kind."""
+    end = time.monotonic() + SETTLE_S
+    held = d.held()
+    while time.monotonic() < end and (orch.pending_debts() or any(held[k] for k in HELD)):
+        time.sleep(0.05)
+        held = d.held()
+    return held
+
+
+def test_a_release_step_that_times_out_leaves_nothing_held_once_debts_are_paid(
+        shm_daemon, layout):
+    d = shm_daemon
+    pool = make_pool(layout, 2048)
+    orch = _orch(d, layout, pool, early=False)
+    try:
+        toks = _tokens(7)
+        assert orch.store("s", toks, torch.arange(len(toks)))
+        orch.finish("s")
+        assert not any(_nothing_held(orch, d)[k] for k in HELD)
+        orch.connector.force_pieces = lambda n: [4, 4, 4, 4]
+        m = orch.match("r", toks)
+        assert m.tokens == len(toks)
+        seen = _stop_before_prepare(orch, d, "_prepare_range", on_call=3)
+        timed_out = _stop_at_first_commit(orch, d)
+        try:
+            res = orch.load_back("r", torch.arange(1024, 1024 + m.tokens))
+        finally:
+            d.resume()  # the abandoned piece 3 is served; the releaser's first commit stops it
+        assert len(seen) == 3
+        assert res.state is PrefixState.DEGRADED and res.reason is DegradeReason.RETRIEVE_TIMEOUT
+        try:
+            assert timed_out.wait(SETTLE_S), "the release's first commit never timed out"
+        finally:
+            d.resume()
+        orch.finish("r")
+        held = _nothing_held(orch, d)
+        assert orch.pending_debts() == 0
+        assert {k: held[k] for k in HELD} == dict.fromkeys(HELD, 0), held  # before: 12 read
+    finally:
+        d.resume()
+        orch.close()
