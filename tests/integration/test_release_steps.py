@@ -13,7 +13,6 @@ the first timeout, and the daemon kept 12 read locks until its 300 s read TTL.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from tests.conftest import make_pool
 from tests.integration.test_abandoned_prepare import (  # noqa: F401 - the module's daemon
     SETTLE_S,
     _orch,
+    _released,
     _stop_before_prepare,
     _tokens,
     shm_daemon,
@@ -55,16 +55,6 @@ def _stop_at_first_commit(orch, d) -> threading.Event:
     return timed_out
 
 
-def _nothing_held(orch, d) -> dict:
-    """Wait (bounded) until nothing is owed and the daemon holds nothing of any kind."""
-    end = time.monotonic() + SETTLE_S
-    held = d.held()
-    while time.monotonic() < end and (orch.pending_debts() or any(held[k] for k in HELD)):
-        time.sleep(0.05)
-        held = d.held()
-    return held
-
-
 def test_a_release_step_that_times_out_leaves_nothing_held_once_debts_are_paid(
         shm_daemon, layout):
     d = shm_daemon
@@ -74,7 +64,7 @@ def test_a_release_step_that_times_out_leaves_nothing_held_once_debts_are_paid(
         toks = _tokens(7)
         assert orch.store("s", toks, torch.arange(len(toks)))
         orch.finish("s")
-        assert not any(_nothing_held(orch, d)[k] for k in HELD)
+        assert not any(_released(orch, d)[k] for k in HELD)
         orch.connector.force_pieces = lambda n: [4, 4, 4, 4]
         m = orch.match("r", toks)
         assert m.tokens == len(toks)
@@ -91,7 +81,7 @@ def test_a_release_step_that_times_out_leaves_nothing_held_once_debts_are_paid(
         finally:
             d.resume()
         orch.finish("r")
-        held = _nothing_held(orch, d)
+        held = _released(orch, d)
         assert orch.pending_debts() == 0
         assert {k: held[k] for k in HELD} == dict.fromkeys(HELD, 0), held  # before: 12 read
     finally:
