@@ -42,6 +42,8 @@ class Deadlines(_Section):
     control_ms: _ms("deadlines are positive milliseconds") = 200.0  # ping, register, releases
     store_ms: _ms("deadlines are positive milliseconds") = 2000.0
     connect_ms: _ms("deadlines are positive milliseconds") = 500.0  # never the OS's ~127 s
+    # close(): paying what the daemon is owed, then unregistering; the rest is left to its TTLs
+    close_ms: _ms("the most close() waits on the daemon, in milliseconds") = 2000.0
 
     def retrieve_s(self, tokens: int) -> float:
         ms = self.retrieve_base_ms + self.retrieve_per_ki_token_ms * tokens / 1024

@@ -375,21 +375,18 @@ class LoadBackOrchestrator(HandOff):
                              loaded_bytes=loaded_bytes)
 
     def close(self) -> None:
-        """Abort every live prefix, pay what the daemon is owed (bounded), unregister."""
+        """Abort every live prefix, pay what the daemon is owed and unregister, all within
+        `deadlines.close_ms` (`DebtBook.close_out`)."""
         if self._closed:
             return
         self._closed = True
+        self.link.begin_close(self.config.deadlines.close_ms / 1000)
         self.link.stop_threads()
         with self._lock:
             ids = list(self._live) + [s for s in self.sessions.ids() if s not in self._live]
         for rid in ids:
             self._release(rid, DegradeReason.CLOSED)
-        self.link.pay()
-        try:
-            if self.link.registered_epoch is not None and self.breaker.allow():
-                self.connector.unregister(self.config.deadlines.control_ms / 1000)
-        except ConnectorError:
-            pass  # the daemon reaps a silent worker by itself
+        self.link.close_out()
         self.connector.close()
         for fn in self._on_close:
             fn()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -76,10 +77,13 @@ class DebtBook:
     metrics: LoadbackMetrics
     background: bool
     control_s: float  # the link's control-call timeout
+    registered_epoch: int | None
 
     def _init_debts(self) -> None:
         self.stale_dropped = 0  # debts of an old daemon incarnation, never sent
         self.given_up = 0  # debts out of tries (or unsafe to repeat), never paid
+        self.closed_dropped = 0  # debts left unpaid at close (settle), never paid
+        self._closing: _CloseBudget | None = None  # close() began: what it may still spend
         self._debts: list[Debt] = []
         #: The pass now paying (its queue and what it keeps): still owed until paid.
         self._paying: tuple[deque, list] = (deque(), [])
@@ -96,7 +100,7 @@ class DebtBook:
         debt = Debt(what, request_id, epoch, run, idempotent, ready, max_tries=max_tries)
         if self._stale(debt):
             return
-        if self.background:
+        if self.background or self._closing is not None:  # close_out pays it, in budget
             self._queue(debt)
             self._release_wake.set()
             return
@@ -222,9 +226,12 @@ class DebtBook:
         self._give_up(d)
         return True
 
-    def pay(self, timeout_s: float | None = None) -> bool:
+    def pay(self, timeout_s: float | None = None, *, budget: "_CloseBudget | None" = None
+            ) -> bool:
         """Pay every owed release that can be paid now, in order per request. True when a
-        debt waits only for its `ready` (a copy in flight): look again soon."""
+        debt waits only for its `ready` (a copy in flight): look again soon. With `budget`
+        (close), each call gets at most what is left of it, and the pass stops where the
+        budget says (spent, breaker open, a daemon failure)."""
         timeout_s = self.control_s if timeout_s is None else timeout_s
         with self._pay_lock:
             keep: list[Debt] = []
@@ -235,10 +242,16 @@ class DebtBook:
             waiting = False
             try:
                 while todo:
+                    if budget is not None and not budget.goes_on():
+                        break  # the rest stays queued: settle() counts it dropped
+                    if budget is None and self._closing is not None:
+                        break  # close() took over: the releaser's pass ends at once
                     d = todo[0]
                     kept = d.request_id in blocked
                     if not kept and not self._stale(d):
-                        step = self._step(d, timeout_s)
+                        step = (self._step(d, timeout_s) if budget is None else
+                                self._step(d, budget.timeout(timeout_s),
+                                           on_failure=budget.failed))
                         if step != _PAID:
                             kept = True
                             blocked.add(d.request_id)
@@ -252,3 +265,68 @@ class DebtBook:
                     self._debts = keep + list(todo) + self._debts
                     self._paying = (deque(), [])
             return waiting
+
+    def begin_close(self, budget_s: float) -> None:
+        """close() begins, with `budget_s` for the daemon in all: from here releases are
+        only queued (never paid on the closing thread one by one), and a pass of the
+        releaser or the heartbeat stops at its next debt."""
+        self._closing = _CloseBudget(self.breaker, budget_s)
+
+    def close_out(self) -> None:
+        """close(), once its releases are queued: settle what is owed within what is left of
+        the budget, then unregister in the rest. A daemon that did not answer is not asked
+        again: it reaps a silent worker by itself."""
+        budget = self._closing or _CloseBudget(self.breaker, self.control_s)
+        self.settle(budget)
+        if budget.goes_on() and self.registered_epoch is not None:
+            try:
+                self.connector.unregister(budget.timeout(self.control_s))
+            except ConnectorError:
+                pass  # the daemon reaps a silent worker by itself
+
+    def settle(self, budget: "_CloseBudget") -> None:
+        """At close, on the caller's thread (the releaser has stopped): pay what can be paid
+        within `budget`, each call within what is left. A hung daemon stops the paying at
+        its first failure, an open breaker before any call; what is left is dropped,
+        counted (`closed_dropped`, `loadback_releases_failed_total{what}`), with one WARNING."""
+        while self.pay(budget=budget) and budget.goes_on():
+            time.sleep(min(0.001, budget.left()))  # a copy in flight: its debt pays soon
+        with self._lock:
+            left, self._debts = self._debts, []
+        for d in left:
+            self.metrics.release_failed(d.what)
+        self.closed_dropped += len(left)
+        if left:
+            log.warning("daemon %s: %d release(s) owed were not paid at close (%s); the "
+                        "daemon's TTLs release what they hold (read locks 300 s, sessions and "
+                        "write reservations 600 s)", self.connector.endpoint, len(left),
+                        budget.why())
+
+
+class _CloseBudget:
+    """What close() may still spend on the daemon: time, and the daemon's answers."""
+
+    def __init__(self, breaker: CircuitBreaker, budget_s: float) -> None:
+        self.breaker = breaker
+        self.deadline = time.monotonic() + budget_s
+        self.budget_s = budget_s
+        self.hung = False
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def goes_on(self) -> bool:
+        return not self.hung and self.left() > 0 and self.breaker.allow()
+
+    def timeout(self, control_s: float) -> float:
+        return min(control_s, self.left())
+
+    def failed(self, ok: bool) -> None:
+        """A call failed on the daemon: the breaker hears it; no more calls at close."""
+        self.breaker.record(ok)
+        self.hung = True
+
+    def why(self) -> str:
+        return ("the daemon did not answer" if self.hung else "the breaker is open"
+                if not self.breaker.allow() else f"close budget of {self.budget_s * 1000:.0f} "
+                "ms spent")

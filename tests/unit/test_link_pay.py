@@ -248,3 +248,40 @@ def test_a_release_the_daemon_dropped_unserved_is_counted_failed():
     link._queue(Debt("free_locks", "r1", link.connector.epoch, dropped))
     link.pay()
     assert link.pending() == 0 and _failed(link, "free_locks") == 1
+
+
+def test_close_stops_paying_at_the_first_timeout_and_counts_the_rest_dropped(caplog):
+    """A hung daemon: the first call of close's settling times out, nothing more is sent,
+    and every debt left (the timed-out one included) is counted, with one WARNING."""
+    link = _link()
+    led = Ledger(link)
+    calls: list[str] = []
+    led.queue(_timing_out(led, "first", "r1", calls), led.debt("a", "r2"),
+              led.debt("b", "r3", what="end_session", idempotent=True))
+    link.begin_close(1.0)
+    caplog.set_level(logging.WARNING, logger="loadback")
+    link.close_out()
+    assert calls == ["first"] and led.paid == [] and link.pending() == 0
+    assert link.closed_dropped == 3
+    assert _failed(link, "free_locks") == 2 and _failed(link, "end_session") == 1
+    warned = [r.getMessage() for r in caplog.records if "not paid at close" in r.getMessage()]
+    assert len(warned) == 1 and "3 release(s)" in warned[0] and "TTL" in warned[0]
+
+
+def test_close_sends_nothing_while_the_breaker_is_open():
+    link = _link()
+    led = Ledger(link)
+    led.queue(led.debt("a", "r1"))
+    link.breaker.trip()
+    link.begin_close(1.0)
+    link.close_out()
+    assert led.paid == [] and link.closed_dropped == 1 and _failed(link, "free_locks") == 1
+
+
+def test_close_pays_what_a_healthy_daemon_is_owed():
+    link = _link()
+    led = Ledger(link)
+    led.queue(led.debt("a", "r1"), led.debt("b", "r1"), led.debt("c", "r2"))
+    link.begin_close(1.0)
+    link.close_out()
+    assert led.paid == ["a", "b", "c"] and link.closed_dropped == 0
