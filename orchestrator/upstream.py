@@ -128,13 +128,23 @@ def _vllm_only(instead: str = "") -> Callable[[str, Any, dict], Row]:
     return row
 
 
+def _address(instead: str) -> Callable[[str, Any, dict], Row]:
+    """lmcache.mp.host / port: a vLLM connector's key, read from vLLM's config, not this file."""
+    def row(key: str, value: Any, data: dict) -> Row:
+        return Row(key, value, None, (
+            "ignored in this file: a vLLM connector reads it from vLLM's "
+            "kv_connector_extra_config (LMCache's LMCacheMPConnector, and LoadBackConnector, "
+            f"where it overrides {instead}); in this file set {instead}"))
+    return row
+
+
 # The `lmcache.mp.*` keys lmcache 0.5.6 reads (under extra_config), and what each does here.
 MP_KEYS: dict[str, Callable[[str, Any, dict], Row]] = {
     "lmcache.mp.mq_timeout": _mq_timeout,
     "lmcache.mp.heartbeat_interval": _heartbeat,
     "lmcache.mp.mp_transfer_mode": _transfer_mode,
-    "lmcache.mp.host": _vllm_only("mp_host"),
-    "lmcache.mp.port": _vllm_only("mp_port"),
+    "lmcache.mp.host": _address("mp_host"),
+    "lmcache.mp.port": _address("mp_port"),
     "lmcache.mp.server_urls": _vllm_only("mp_host and mp_port"),
     "lmcache.mp.autostart": _vllm_only(),
     "lmcache.mp.eager_prefetch": _vllm_only(),

@@ -199,3 +199,17 @@ def test_status_unreadable_hint_names_both_engines():
 
     hint = fix_hint("http://127.0.0.1:1/metrics", "connection refused")
     assert "\n" not in hint and "SGLang" in hint and "vLLM" in hint, hint
+
+
+def test_validate_says_the_vllm_connector_reads_lmcache_mp_host_and_port(capsys, tmp_path):
+    """engines/vllm/settings.py reads lmcache.mp.host / port from vLLM's
+    kv_connector_extra_config: validate must not say this product reads them nowhere."""
+    f = tmp_path / "up.yaml"
+    f.write_text("extra_config:\n  lmcache.mp.host: tcp://10.0.0.1\n  lmcache.mp.port: 6000\n")
+    code, out, _ = run(capsys, "config", "validate", str(f))
+    rows = [line for line in out.splitlines() if "lmcache.mp.host" in line or
+            "lmcache.mp.port" in line]
+    assert code == 0 and len(rows) == 2, out
+    for row in rows:
+        assert "nor this product" not in row and "kv_connector_extra_config" in row, row
+        assert "LoadBackConnector" in row, row
