@@ -183,6 +183,192 @@ def test_readme_starts_with_the_two_commands():
     assert "make test" in head
 
 
+# ---- what the docs name exists: commands, flags, make targets, devices ----
+# Checked in README.md and docs/*.md, in code spans and fenced blocks alike (a command is a
+# command wherever it is written).
+
+#: `loadback` as a command: first in its span or line, after a shell prompt or a bin/ path.
+LOADBACK_CMD = re.compile(r"(?:^[ \t]*|(?<=/)|(?<=\$ )|(?<=&& ))loadback[ \t]+(\S[^\n`;&#]*)",
+                          re.M)
+MAKE_CMD = re.compile(r"(?:^|(?<=[\s(`]))make[ \t]+((?:[A-Z_]+=\S*[ \t]+)*)([a-z][\w-]*)")
+DAEMON_CMD = re.compile(r"(?:python -m lmcache\.v1\.multiprocess\.server|lmcache server)"
+                        r"((?:[ \t]+[^\s`]+)*)")
+PIP_BY_NAME = re.compile(r"pip install(?:[ \t]+-\S+)*[ \t]+['\"]?lmcache-loadback\b")
+FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+CLI_DOCS = ("README.md", "docs")
+
+
+def cli_documents(root: Path = REPO) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def command_texts(text: str) -> list[str]:
+    """Every code span and every fenced block's logical line (a trailing backslash joins the
+    next): where the docs write commands."""
+    out = code_spans(text)
+    fenced, block = False, []
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if fenced:
+            block.append(line)
+    out += re.sub(r"\\\n\s*", " ", "\n".join(block)).splitlines()
+    return out
+
+
+def _subparsers(parser):
+    import argparse
+
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+
+def _positional_choices(parser):
+    return [a for a in parser._actions
+            if not a.option_strings and a.choices and not isinstance(a.choices, dict)]
+
+
+def cli_errors(text: str, parser) -> list[str]:
+    """Each `loadback ...` whose command, sub-command, listed choices or --flags the parser
+    does not have. `a|b|c` for a positional with choices claims the whole list: it must name
+    every choice. Words in capitals (COMMAND) are placeholders; a `loadback` that is a flag's
+    value (`--radix-cache-backend loadback`) is not a command."""
+    out = []
+    for span in command_texts(text):
+        for m in LOADBACK_CMD.finditer(span):
+            before = span[:m.start()].split()
+            if before and before[-1].startswith("-"):
+                continue
+            words = [w.strip("[]()") for w in m.group(1).replace("\\|", "|").split()]
+            words = [w for w in words if w]
+            p, path, i = parser, ["loadback"], 0
+            while (sub := _subparsers(p)) and i < len(words) and not words[i].startswith("-") \
+                    and not PLACEHOLDER_SEGMENT.match(words[i]):
+                if words[i] not in sub.choices:
+                    out.append(f"`{' '.join(path)} {words[i]}`: no such command")
+                    break
+                p = sub.choices[words[i]]
+                path.append(words[i])
+                i += 1
+            else:
+                for action in _positional_choices(p):
+                    if i >= len(words) or words[i].startswith("-"):
+                        break
+                    named = words[i].split("|")
+                    if any(n not in action.choices for n in named) or (
+                            len(named) > 1 and set(named) != set(action.choices)):
+                        out.append(f"`{' '.join(path)} {words[i]}`: the choices are "
+                                   f"{'|'.join(action.choices)}")
+                    i += 1
+                known = set(p._option_string_actions)
+                out += [f"`{' '.join(path)} {f}`: no such flag"
+                        for f in FLAG.findall(" ".join(words[i:])) if f not in known]
+    return out
+
+
+def make_targets(makefile: Path) -> set[str]:
+    targets = set()
+    for line in makefile.read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.%/ -]+?)\s*:(?!=)", line)
+        if m and not line.startswith("\t"):
+            targets.update(m.group(1).split())
+    return targets
+
+
+def make_errors(text: str, targets: set[str]) -> list[str]:
+    return [f"`make {m.group(2)}`: no such target in the Makefile"
+            for span in command_texts(text) for m in MAKE_CMD.finditer(span)
+            if m.group(2) not in targets]
+
+
+def device_errors(text: str, name: str, root: Path = REPO) -> list[str]:
+    """While engines/vllm has its CUDA path, no sentence about vLLM says it is CPU-only."""
+    if not (root / "engines" / "vllm" / "paged_cuda.py").exists():
+        return []
+    out = []
+    for paragraph in re.split(r"\n\s*\n", "\n".join(prose(text))):
+        for sentence in re.split(r"(?<=[.:;])\s+", " ".join(paragraph.split())):
+            if ("vllm" in name or "vLLM" in sentence) and "CUDA" not in sentence and \
+                    re.search(r"\bCPU\b[^.;]*\bonly\b|\bonly\b[^.;]*\bCPU\b", sentence):
+                out.append(f"says CPU only for vLLM: {sentence[:120]!r}")
+    return out
+
+
+@pytest.mark.parametrize("doc", cli_documents(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_loadback_command_and_flag_named_exists(doc):
+    from lmcache_loadback.orchestrator.cli import build_parser
+
+    assert cli_errors(doc.read_text(), build_parser()) == []
+
+
+@pytest.mark.parametrize("doc", cli_documents(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_make_target_named_exists(doc):
+    assert make_errors(doc.read_text(), make_targets(REPO / "Makefile")) == []
+
+
+@pytest.mark.parametrize("doc", cli_documents(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_doc_says_vllm_is_cpu_only_while_its_cuda_path_exists(doc):
+    assert device_errors(doc.read_text(), doc.name) == []
+
+
+@pytest.mark.parametrize("doc", cli_documents(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_doc_installs_the_product_by_name_from_the_package_index(doc):
+    """lmcache-loadback is not on the package index: installs name a checkout or a wheel."""
+    hits = [s for s in command_texts(doc.read_text()) if PIP_BY_NAME.search(s)]
+    assert hits == []
+
+
+def daemon_lines(root: Path = REPO) -> list[tuple[str, str]]:
+    """(where, the arguments) of every daemon command line in the docs, and of the one
+    `loadback tune` prints when it cannot reach the daemon."""
+    from lmcache_loadback.harness.tune import daemon_command
+
+    found = [(doc.name, m.group(1)) for doc in cli_documents(root)
+             for span in command_texts(doc.read_text()) for m in DAEMON_CMD.finditer(span)
+             if m.group(1).split() and "--help" not in m.group(1).split()]
+    return found + [("loadback tune", DAEMON_CMD.search(daemon_command("HOST", 5555)).group(1))]
+
+
+#: What the docs' placeholders stand for when a daemon line is parsed.
+DAEMON_PLACEHOLDERS = {"HOST": "127.0.0.1", "PORT": "5555", "N": "256", "GB": "1",
+                       "NAME": "loadback"}
+
+
+def test_every_daemon_line_is_one_lmcache_0_5_6_starts_with():
+    """The daemon's command lines (docs, `loadback tune`'s hint) parse with lmcache 0.5.6's own
+    server arguments, and a whole line (no `...`) gives the daemon every flag it requires."""
+    import argparse
+
+    pytest.importorskip("lmcache")
+    from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
+    from lmcache.v1.mp_observability.config import add_observability_args
+    from lmcache.v1.multiprocess.config import add_coordinator_args, add_mp_server_args
+
+    class Refused(Exception):
+        pass
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise Refused(message)
+
+    parser = Parser()  # what `python -m lmcache.v1.multiprocess.server` parses
+    for add in (add_mp_server_args, add_storage_manager_args, add_observability_args,
+                add_coordinator_args):
+        add(parser)
+    lines, bad = daemon_lines(), []
+    for where, line in lines:
+        words = [DAEMON_PLACEHOLDERS.get(w, w) for w in line.split()]
+        whole = "..." not in words
+        try:
+            args = parser.parse_args([w for w in words if w != "..."])
+            if whole:
+                parse_args_to_config(args)
+        except (Refused, ValueError) as exc:
+            bad.append(f"{where}: {line.strip()}: {exc}")
+    assert any(where != "loadback tune" for where, _ in lines), "no doc gives the daemon's line"
+    assert bad == []
+
+
 # ---- the checker itself ----
 
 def test_a_missing_path_is_reported_and_non_paths_are_not(tmp_path):
@@ -217,3 +403,28 @@ def test_links_and_anchors_are_checked(tmp_path):
         "[gone](docs/b.md) [bad anchor](docs/a.md#nowhere)\n\n# Top\n")
     assert broken_links(doc) == ["(docs/b.md): no such file",
                                  "(docs/a.md#nowhere): no heading with that id in a.md"]
+
+
+def test_cli_make_and_device_checkers_report_what_is_missing(tmp_path):
+    from lmcache_loadback.orchestrator.cli import build_parser
+
+    text = ("`loadback bench client|core|gpu`, `loadback tune --daemon H:P --nope`,\n"
+            "`loadback chaos walk`, `loadback COMMAND --help`, `loadback_lookups_total`,\n"
+            "`--radix-cache-backend loadback`, `loadback config validate|show FILE`,\n"
+            "`Skipping plugin loadback (not in SGLANG_PLUGINS)`, `$ loadback diagram`,\n"
+            "`make demo ENGINE=vllm`, `make nowhere`.\n\n"
+            "```bash\n.venv/bin/loadback status --url U \\\n    --jsn\n```\n")
+    assert cli_errors(text, build_parser()) == [
+        "`loadback bench client|core|gpu`: the choices are client|core|gpu|vllm",
+        "`loadback tune --nope`: no such flag", "`loadback chaos walk`: no such command",
+        "`loadback status --jsn`: no such flag"]
+    (tmp_path / "Makefile").write_text(".PHONY: demo\ndemo: venv\n\techo x: y\nX := 1\n")
+    assert make_targets(tmp_path / "Makefile") == {".PHONY", "demo"}
+    assert make_errors(text, {"demo"}) == ["`make nowhere`: no such target in the Makefile"]
+    assert device_errors("- CPU KV cache only (vLLM's CPU layout).\n\n"
+                         "MLA runs on CPU only.\n", "README.md")[0].startswith(
+        "says CPU only for vLLM")
+    assert device_errors("MLA runs on CPU only. vLLM: CPU and CUDA, not only CPU.\n",
+                         "README.md") == []
+    assert PIP_BY_NAME.search("pip install -q lmcache-loadback  # x")
+    assert not PIP_BY_NAME.search("pip install dist/lmcache_loadback-0.1.0-py3-none-any.whl")
