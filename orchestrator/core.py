@@ -177,7 +177,7 @@ class LoadBackOrchestrator(HandOff):
             return
         # Chunks the engine already has are not retrieved: release their locks now.
         p.retrieve_from = p.local_tokens // chunk * chunk
-        self.calls.free(p, 0, p.retrieve_from)
+        self._free_local_chunks(p)
         self._fire(p, "mark")
         if self.config.prepare_at_match:
             # Shared memory: take the retrieve's round trip now (on the thread that runs

@@ -18,7 +18,7 @@ from lmcache_loadback.metrics.instruments import TRANSFER_MODES
 
 from .config import LoadBackConfig
 from .debts import DebtBook
-from .policies import BreakerState, CircuitBreaker, wall_clock
+from .policies import BreakerState, CircuitBreaker
 from .state_log import StateLog
 
 log = logging.getLogger("loadback")
@@ -59,9 +59,6 @@ class DaemonLink(DebtBook):
         self.metrics = metrics
         self._init_debts()
         self.registered_epoch: int | None = None
-        #: wall_clock() of the last registration (a LOOKUP answered before it may have been
-        #: an earlier daemon incarnation's: orchestrator.handoff)
-        self.registered_wall = 0.0
         self._suspect = threading.Event()  # a call went unanswered: re-register next tick
         self._skew_warned = float("-inf")  # when VersionSkew was last logged at WARNING
         self._late_seen = 0
@@ -240,7 +237,6 @@ class DaemonLink(DebtBook):
         elif old is None:
             log.info("daemon %s: registered (epoch %d)", self._endpoint, epoch)
         self.registered_epoch = epoch
-        self.registered_wall = wall_clock()
         mode = self.connector.transfer
         if mode in TRANSFER_MODES:  # auto decides again at every registration
             self.metrics.transfer_mode(mode)

@@ -23,12 +23,6 @@ Clock = Callable[[], float]
 monotonic: Clock = time.monotonic
 
 
-def wall_clock() -> float:
-    """Wall time, for what processes of one host compare (a registration against a LOOKUP
-    another process sent: `adopt`'s `looked_up_at`, `DaemonLink.registered_wall`)."""
-    return time.time()
-
-
 # -- retries -------------------------------------------------------------------
 
 

@@ -15,11 +15,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 class LoadOp:
     """Load tokens [start, end) of the prompt into `block_ids` (one block per `block_size`
     tokens of that range; `start` and `end` are block aligned, `end` chunk aligned), under
-    the daemon session of the scheduler's LOOKUP, whose read locks the worker ranks now
-    release (orchestrator/handoff.py)."""
+    the daemon session of the scheduler's LOOKUP, whose read locks (`locked`) and session
+    the worker ranks now release (orchestrator/handoff.py)."""
 
     session: str
-    token_ids: list[int]      # the prompt's first `end` tokens (what the LOOKUP is keyed by)
+    token_ids: list[int]      # the prompt's tokens up to the LOOKUP's hit (what it is keyed by)
     start: int
     end: int
     block_ids: list[int]
@@ -27,7 +27,9 @@ class LoadOp:
     #: False: nothing on the daemon backs these blocks (vLLM allocated tokens that were not
     #: promised, or the LOOKUP's locks were released): the worker reports them as errors.
     promised: bool = True
-    looked_up_at: float = 0.0  # wall clock when the LOOKUP was sent (handoff.adopt)
+    #: The tokens [start, end) the LOOKUP still read-locks, all the worker ranks' to free or
+    #: load (the scheduler's hand_off); None: not handed off.
+    locked: tuple[int, int] | None = None
 
 
 @dataclass

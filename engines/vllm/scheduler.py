@@ -15,7 +15,6 @@ import msgspec
 
 from lmcache_loadback.metrics import start_metrics_server
 from lmcache_loadback.orchestrator.factory import create_orchestrator
-from lmcache_loadback.orchestrator.policies import wall_clock
 
 from .meta import LoadBackMeta, LoadOp, StoreOp
 from .settings import Settings
@@ -37,7 +36,6 @@ class Ask:
     end: int                  # the prompt tokens the LOOKUP covers (never the whole prompt)
     deadline: float
     salt: str = ""            # vLLM's cache_salt: KV of another salt is never shared
-    sent_at: float = 0.0      # wall clock just before its LOOKUP was sent (handoff.adopt)
     tokens: int = 0           # tokens to load beyond `local` (0: recompute)
     done: bool = False
     abandoned: bool = False   # nobody reads its answer: the worker thread releases it
@@ -85,6 +83,9 @@ class SchedulerSide:
         # read-locks each rank's shard of the hit chunks.
         self.orch = orchestrator or create_orchestrator(cfg, layout=settings.layout,
                                                         kv_pool=None, kv_rank=0, world_size=tp)
+        # Every LOOKUP's locks stay whole here until its release or its hand-off: the worker
+        # ranks free what they do not load, so the session's last call is theirs (handoff.py).
+        self.orch.hands_off = True
         if orchestrator is None and settings.scheduler_metrics_port is not None:
             server = start_metrics_server(cfg.metrics.host, settings.scheduler_metrics_port,
                                           registry=self.orch.metrics)
@@ -149,13 +150,13 @@ class SchedulerSide:
         if promised:
             ask.used = True
         end = local + num_external_tokens
+        hit = local + ask.tokens if promised else end  # the worker frees [end, hit) (hand-off)
         ids = list(blocks.get_block_ids()[0])
         bs = self.block_size
         self._loads[rid] = LoadOp(session=ask.session if ask is not None else f"{rid}#none",
-                                  token_ids=list(request.prompt_token_ids[:end]), start=local,
+                                  token_ids=list(request.prompt_token_ids[:hit]), start=local,
                                   end=end, block_ids=ids[local // bs:-(-end // bs)],
-                                  cache_salt=self._salts.get(rid) or "", promised=promised,
-                                  looked_up_at=ask.sent_at if ask is not None else 0.0)
+                                  cache_salt=self._salts.get(rid) or "", promised=promised)
 
     def build_connector_meta(self, scheduler_output) -> LoadBackMeta:
         self._step += 1
@@ -235,7 +236,6 @@ class SchedulerSide:
                 if ask.abandoned:
                     continue  # answered as a miss before it started: nothing taken
             tokens = 0
-            ask.sent_at = wall_clock()
             try:
                 tokens = self.orch.match(ask.session, token_ids, local_hit_tokens=ask.local,
                                          cache_salt=ask.salt).tokens
@@ -267,10 +267,13 @@ class SchedulerSide:
 
     def _hand_off(self, rid: str, op: LoadOp) -> bool:
         """The shipped load's worker ranks load under this LOOKUP's session and release
-        what it locked: nothing of it is released here any more. False: the prefix is gone
-        here (its locks released), so the load cannot be served."""
+        everything it still locks (`op.locked`) and the session: nothing of it is released
+        or sent from here any more. False: the LOOKUP is not held here (its locks released,
+        or a release of it still owed from here), so the load cannot be served."""
         ask = self._asks.get(rid)
-        if ask is None or ask.released or not self.orch.hand_off(ask.session, op.end):
+        op.locked = None if ask is None or ask.released else self.orch.hand_off(ask.session,
+                                                                                op.end)
+        if op.locked is None:
             log.info("%s: the LOOKUP behind this load is no longer held; load error, "
                      "recomputed", rid)
             return False

@@ -85,14 +85,13 @@ class WorkerSide:
 
     def _load(self, op: LoadOp) -> bool:
         n = op.end - op.start
-        if not op.promised or self.orch is None or self.view is None:
+        if not op.promised or op.locked is None or self.orch is None or self.view is None:
             return False  # nothing on the daemon backs it (logged by the scheduler side)
         try:
             # The scheduler's LOOKUP is the request's only one: load under its session, and
             # release what it locked here whatever happens (finish, below).
             self.orch.adopt(op.session, op.token_ids, local_hit_tokens=op.start,
-                            hit_tokens=op.end, looked_up_at=op.looked_up_at,
-                            cache_salt=op.cache_salt)
+                            hit_tokens=op.end, locked=op.locked, cache_salt=op.cache_salt)
             if n > self.view.staging_tokens or len(op.block_ids) * self.settings.block_size != n:
                 log.warning("%s: load of tokens [%d, %d) into %d blocks cannot be served; "
                             "reported as a load error", op.session, op.start, op.end,

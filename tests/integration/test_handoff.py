@@ -9,7 +9,6 @@ import torch
 
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from lmcache_loadback.orchestrator import LoadBackOrchestrator, PrefixState
-from lmcache_loadback.orchestrator.policies import wall_clock
 from tests.conftest import CHUNK, kv_of, lookups_sent, same_kv
 
 from .test_orchestrator_daemon import Harness, config_for, wait_for
@@ -23,6 +22,7 @@ def pair(live_daemon, layout):
     loader = Harness(live_daemon, layout)
     conn = LMCacheMPConnector(live_daemon.endpoint, layout, connect_timeout_s=0.2)
     asker = LoadBackOrchestrator(config_for(live_daemon, prepare_at_match=False), conn)
+    asker.hands_off = True  # as vLLM's scheduler: its LOOKUPs' locks stay whole until handed
     assert loader.orch.wait_registered(10) and asker.wait_registered(10)
     yield loader, asker
     asker.close()
@@ -33,7 +33,7 @@ def nothing_held(loader: Harness, asker: LoadBackOrchestrator) -> bool:
     """Once both orchestrators paid what they owe (bounded), the daemon holds nothing."""
     assert wait_for(lambda: not asker.pending_debts() and not loader.orch.pending_debts())
     held = loader.daemon.held()
-    return held["read_locks"] == 0 and held["sessions"] == 0
+    return all(held[k] == 0 for k in ("read_locks", "write_locks", "sessions", "prefetch_jobs"))
 
 
 def ask(asker, rid: str, toks, local: int = 0) -> int:
@@ -42,23 +42,22 @@ def ask(asker, rid: str, toks, local: int = 0) -> int:
 
 def handed(loader: Harness, asker, rid: str, toks, hit: int, keep: int) -> None:
     """The asker's LOOKUP (a hit of `hit` tokens) handed off for `keep` tokens, adopted."""
-    t = wall_clock()
     assert ask(asker, rid, toks) == hit
     assert loader.daemon.held()["read_locks"] > 0
-    assert asker.hand_off(rid, keep)
-    loader.orch.adopt(rid, toks, local_hit_tokens=0, hit_tokens=keep, looked_up_at=t)
+    locked = asker.hand_off(rid, keep)
+    assert locked == (0, hit)                         # every lock, the ones not taken too
+    loader.orch.adopt(rid, toks, local_hit_tokens=0, hit_tokens=keep, locked=locked)
 
 
 def test_adopted_lookup_loads_byte_exact_with_no_second_lookup(pair):
     loader, asker = pair
     toks, src = loader.stored(4 * CHUNK, seed=1)
-    t = wall_clock()
     assert ask(asker, "r#ask1", toks, local=CHUNK // 2) == 4 * CHUNK - CHUNK // 2
-    assert asker.hand_off("r#ask1", 4 * CHUNK)
+    locked = asker.hand_off("r#ask1", 4 * CHUNK)
     assert asker.state_of("r#ask1") is None          # nothing of it is the asker's any more
     before = lookups_sent(loader.orch)
     got = loader.orch.adopt("r#ask1", toks, local_hit_tokens=CHUNK // 2, hit_tokens=4 * CHUNK,
-                            looked_up_at=t)
+                            locked=locked)
     assert got.tokens == 4 * CHUNK - CHUNK // 2 and got.state == PrefixState.MARKED
     dst = loader.slots(got.tokens)
     res = loader.orch.load_back("r#ask1", dst)
@@ -108,25 +107,28 @@ def test_adopt_refuses_what_no_lookup_can_have_locked(pair):
     loader, _ = pair
     toks = loader.tokens(2 * CHUNK, seed=7)
     with pytest.raises(ValueError, match="chunk aligned"):
-        loader.orch.adopt("x", toks, local_hit_tokens=0, hit_tokens=CHUNK + 1, looked_up_at=0.0)
+        loader.orch.adopt("x", toks, local_hit_tokens=0, hit_tokens=CHUNK + 1,
+                          locked=(0, 2 * CHUNK))
     with pytest.raises(ValueError, match="within the 2"):
-        loader.orch.adopt("x", toks[:2], local_hit_tokens=0, hit_tokens=CHUNK, looked_up_at=0.0)
+        loader.orch.adopt("x", toks[:2], local_hit_tokens=0, hit_tokens=CHUNK, locked=(0, CHUNK))
+    with pytest.raises(ValueError, match="locked range"):
+        loader.orch.adopt("x", toks, local_hit_tokens=0, hit_tokens=2 * CHUNK, locked=(0, CHUNK))
     assert loader.orch.state_of("x") is None
     assert loader.orch.load_back("x", torch.arange(CHUNK)).loaded_tokens == 0
 
 
-def test_locks_of_a_lookup_older_than_the_registration_are_never_freed(pair):
-    """Registered after the LOOKUP was sent: the locks may be an earlier daemon's, whose
-    chunks another reader may hold on this one; they are left to the daemon's TTL (so this
-    test runs last on its module's daemon)."""
+def test_a_release_still_owed_by_the_asker_keeps_the_prefix_its_own(pair, monkeypatch):
+    """An asker that freed the engine's chunks at match (not `hands_off`) and still owes that
+    free does not hand off: its free would reach the daemon after the adopter's end."""
     loader, asker = pair
-    toks, _ = loader.stored(2 * CHUNK, seed=6)
-    assert ask(asker, "o#ask1", toks) == 2 * CHUNK
-    assert asker.hand_off("o#ask1", 2 * CHUNK)
-    p = loader.orch.adopt("o#ask1", toks, local_hit_tokens=0, hit_tokens=2 * CHUNK,
-                          looked_up_at=loader.orch.link.registered_wall - 1.0)
-    assert p.tokens == 2 * CHUNK
-    assert loader.orch._live["o#ask1"].lease.held is None
-    loader.orch.abort("o#ask1")
-    held = loader.settle()
-    assert held["read_locks"] > 0 and held["sessions"] == 0   # the locks: the daemon's TTL
+    toks, _ = loader.stored(3 * CHUNK, seed=6)
+    asker.hands_off = False
+    monkeypatch.setattr(asker.link, "pay", lambda *a, **k: False)  # the free stays owed
+    monkeypatch.setattr(asker.link, "background", True)            # queued, never inline
+    assert ask(asker, "o#ask1", toks, local=CHUNK) == 2 * CHUNK
+    assert asker.pending_debts() == 1
+    assert asker.hand_off("o#ask1", 3 * CHUNK) is None
+    assert asker.state_of("o#ask1") == PrefixState.MARKED   # still the asker's to release
+    monkeypatch.undo()
+    asker.finish("o#ask1")
+    assert nothing_held(loader, asker)

@@ -23,7 +23,6 @@ from lmcache_loadback.engines.vllm.paged_cuda import PagedCUDAView
 from lmcache_loadback.engines.vllm.scheduler import SchedulerSide
 from lmcache_loadback.engines.vllm.settings import from_vllm
 from lmcache_loadback.engines.vllm.worker import WorkerSide
-from lmcache_loadback.orchestrator.policies import wall_clock
 
 from .conftest import CHUNK
 from .mini_engine import BLOCK, DTYPE, HEAD, HEADS, LAYERS, kv_cache_config, vllm_config
@@ -117,13 +116,13 @@ def test_store_then_load_is_byte_exact_where_flash_attention_reads(worker):
     # The scheduler side's LOOKUP, handed off: the worker loads under its session.
     sched = SchedulerSide(w.settings)
     try:
-        t = wall_clock()
         assert sched.orch.wait_registered(30)
         assert sched.orch.match("b#ask1", prompt[:n], local_hit_tokens=0).tokens == n
-        assert sched.orch.hand_off("b#ask1", n)
+        locked = sched.orch.hand_off("b#ask1", n)
+        assert locked
     finally:
         sched.close()
-    op = LoadOp("b#ask1", prompt, 0, n, dst, looked_up_at=t)
+    op = LoadOp("b#ask1", prompt, 0, n, dst, locked=locked)
     failed = w.start_load(LoadBackMeta(loads={"b": op}))
     assert failed == set() and w.loads_done == 1 and w.take_errors() == set()
     for li, layer in enumerate(layers):
