@@ -39,7 +39,8 @@ def _make_triton_kernel():
 
     @triton.jit
     def _kv_rows(stage_ptr, table_ptr, slots_ptr, first, C: tl.constexpr, L2: tl.constexpr,
-                 H: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr):
+                 H: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr, D: tl.constexpr,
+                 RS: tl.constexpr, HS: tl.constexpr):
         t = tl.program_id(0)  # row of this call (one token)
         b = tl.program_id(1)  # buffer: kv * L + layer
         g = t + first  # row in the stage, counting dropped rows
@@ -48,41 +49,55 @@ def _make_triton_kernel():
         slot = tl.load(slots_ptr + t)
         base = tl.load(table_ptr + b).to(tl.pointer_type(stage_ptr.dtype.element_ty))
         srow = stage_ptr + ((chunk * L2 + b) * C + r).to(tl.int64) * H
-        prow = base + slot * H
+        prow = base + slot * RS  # a pool row: heads of D elements, HS apart
         for i in tl.static_range(0, H, BLOCK):
             offs = i + tl.arange(0, BLOCK)
             m = offs < H
-            if GATHER:
-                tl.store(srow + offs, tl.load(prow + offs, mask=m), mask=m)
+            if HS == D:
+                poffs = offs
             else:
-                tl.store(prow + offs, tl.load(srow + offs, mask=m), mask=m)
+                poffs = (offs // D) * HS + offs % D
+            if GATHER:
+                tl.store(srow + offs, tl.load(prow + poffs, mask=m), mask=m)
+            else:
+                tl.store(prow + poffs, tl.load(srow + offs, mask=m), mask=m)
 
-    def run(stage, table, slots_dev, rows, first, layout: KVLayout, *, gather: bool) -> None:
+    def run(stage, table, slots_dev, rows, first, layout: KVLayout, *, gather: bool,
+            strides: tuple[int, int] | None = None) -> None:
+        """`strides`: the pool buffers' (row, head) strides in elements when they are not
+        dense `[slots, heads, head_dim]` (K and V halves of vLLM's interleaved rows)."""
         it = _INT_OF_SIZE[layout.dtype.itemsize]
-        hid = layout.hidden_dim
+        hid, d = layout.hidden_dim, layout.head_dim
+        rs, hs = strides or (hid, d)
         block = min(triton.next_power_of_2(hid), 4096)
         _kv_rows[(rows, 2 * layout.num_layers)](
             stage.view(it), table, slots_dev, first, C=layout.chunk_size,
-            L2=2 * layout.num_layers, H=hid, BLOCK=block, GATHER=gather)
+            L2=2 * layout.num_layers, H=hid, BLOCK=block, GATHER=gather, D=d, RS=rs, HS=hs)
 
     return run
 
 
 def _self_check(kernel, device: torch.device) -> None:
-    """A small scatter and gather against torch indexing; raises unless byte-exact."""
+    """A small scatter and gather against torch indexing, into dense buffers and into K and V
+    halves of interleaved rows (vLLM's layout); raises unless byte-exact."""
     lay = KVLayout(num_layers=2, num_heads=2, head_dim=8, dtype=torch.bfloat16, chunk_size=4)
     g = torch.Generator(device="cpu").manual_seed(3)
-    pool = [torch.zeros(32, lay.hidden_dim, dtype=lay.dtype, device=device) for _ in range(4)]
     stage = torch.randn((2, *lay.chunk_shape), generator=g).to(lay.dtype).to(device)
     slots = torch.randperm(32, generator=g)[:7].to(device)  # first = 1: drops one row
-    table = torch.tensor([t.data_ptr() for t in pool], dtype=torch.int64, device=device)
-    kernel(stage, table, slots, 7, 1, lay, gather=False)
     rows = stage.permute(1, 2, 0, 3, 4).reshape(4, 8, lay.hidden_dim)[:, 1:]
-    for b in range(4):
-        if not torch.equal(pool[b][slots], rows[b]):
-            raise RuntimeError("Triton scatter self-check mismatch")
-    back = torch.zeros_like(stage)
-    kernel(back, table, torch.cat([slots[:1], slots]), 8, 0, lay, gather=True)
-    back_rows = back.permute(1, 2, 0, 3, 4).reshape(4, 8, lay.hidden_dim)
-    if not torch.equal(back_rows[:, 1:], rows):
-        raise RuntimeError("Triton gather self-check mismatch")
+    h, d = lay.num_heads, lay.head_dim
+    dense = [torch.zeros(32, h, d, dtype=lay.dtype, device=device) for _ in range(4)]
+    kv = [torch.zeros(32, h, 2 * d, dtype=lay.dtype, device=device) for _ in range(2)]
+    halves = [kv[0][..., :d], kv[1][..., :d], kv[0][..., d:], kv[1][..., d:]]  # K0 K1 V0 V1
+    for pool, strides in ((dense, None), (halves, (2 * h * d, 2 * d))):
+        table = torch.tensor([t.data_ptr() for t in pool], dtype=torch.int64, device=device)
+        kernel(stage, table, slots, 7, 1, lay, gather=False, strides=strides)
+        for b in range(4):
+            if not torch.equal(pool[b][slots].reshape(7, -1), rows[b]):
+                raise RuntimeError("Triton scatter self-check mismatch")
+        back = torch.zeros_like(stage)
+        kernel(back, table, torch.cat([slots[:1], slots]), 8, 0, lay, gather=True,
+               strides=strides)
+        back_rows = back.permute(1, 2, 0, 3, 4).reshape(4, 8, lay.hidden_dim)
+        if not torch.equal(back_rows[:, 1:], rows):
+            raise RuntimeError("Triton gather self-check mismatch")

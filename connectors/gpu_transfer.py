@@ -235,14 +235,15 @@ class GpuTransfer(SegmentHolder):
         if rows == 0:
             return
         if table is not None:
-            self._kernel(stage, table, slots_dev, rows, first, layout, gather=False)
+            self._kernel(stage, table, slots_dev, rows, first, layout, gather=False,
+                         strides=row_strides(layout, ks))
             return
-        cnt, c, hid = stage.shape[0], layout.chunk_size, layout.hidden_dim
+        cnt, c = stage.shape[0], layout.chunk_size
         L = layout.num_layers
         for kv, bufs in ((0, ks), (1, vs)):
             for l in range(L):
-                dst = bufs[l].view(-1, hid)
-                src = stage[:, kv, l]  # [cnt, c, hid], strided
+                dst = bufs[l]  # [slots, heads, head_dim], its rows dense or not
+                src = stage[:, kv, l].unflatten(-1, tuple(dst.shape[1:]))  # [cnt, c, h, d]
                 if first:
                     dst.index_put_((slots_dev[:c - first],), src[0, first:])
                     if cnt > 1:
@@ -278,12 +279,11 @@ class GpuTransfer(SegmentHolder):
                                    dtype=layout.dtype, device=self.device)
                 if self._kernel is not None:
                     _cuda_call("gather_failed", self._kernel, stage, self._table(ks, vs), sl,
-                               m * c, 0, layout, gather=True)
+                               m * c, 0, layout, gather=True, strides=row_strides(layout, ks))
                 else:
                     for kv, bufs in ((0, ks), (1, vs)):
                         for l in range(layout.num_layers):
-                            stage[:, kv, l] = bufs[l].view(-1, layout.hidden_dim)[sl].view(
-                                m, c, layout.hidden_dim)
+                            stage[:, kv, l] = bufs[l][sl].reshape(m, c, layout.hidden_dim)
                 if out is None:
                     staged, buf = self._ring.take(m * layout.chunk_bytes, pin=self.cuda)
                     host = buf.view(layout.dtype).view(m, *layout.chunk_shape)
@@ -304,6 +304,19 @@ class GpuTransfer(SegmentHolder):
                 self._ring.give(staged, None)
             self._unpin(seg, None)
         return list(out)
+
+
+def row_strides(layout: KVLayout, bufs: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """The (slot, head) strides in elements of `[slots, heads, head_dim]` buffers whose rows
+    are not dense (K and V halves of vLLM's interleaved `[.., heads, 2*head_dim]` rows), else
+    None; ValueError unless every buffer has the same strides with each head's elements
+    contiguous."""
+    st = tuple(bufs[0].stride())
+    if any(tuple(b.stride()) != st for b in bufs) or st[-1] != 1:
+        raise ValueError(f"KV buffers with strides {st} (and others): each head's "
+                         f"{layout.head_dim} elements must be contiguous, every buffer alike")
+    dense = (layout.hidden_dim, layout.head_dim)
+    return None if st[:2] == dense else st[:2]
 
 
 def _pieces(n: int, pieces: int) -> list[tuple[int, int]]:

@@ -138,7 +138,8 @@ def _pool_views(layout: KVLayout, k_buffer, v_buffer) -> tuple[list, int, torch.
             if tuple(b.shape) != want or b.dtype != layout.dtype or b.device != dev:
                 raise ValueError(f"{name}[{i}] is {tuple(b.shape)} {b.dtype} on {b.device}, "
                                  f"expected {want} {layout.dtype} on {dev}")
-            views.append(b.view(size, layout.hidden_dim))
+            views.append(b.view(size, layout.hidden_dim) if b.stride()[1:] == (
+                layout.head_dim, 1) else b)  # else heads apart (vLLM's K|V halves): 3-D
         planes.append(views)
     return planes, size, dev
 
@@ -231,6 +232,8 @@ def _move_rows(planes, idx: torch.Tensor, t: torch.Tensor, start: int | None,
     for l in range(len(planes[0])):
         for kv, bufs in enumerate(planes):
             pool, x = bufs[l], t[kv, l]
+            if pool.dim() == 3:  # rows not dense: move [heads, head_dim] rows
+                x = x.unflatten(-1, tuple(pool.shape[1:]))
             if start is not None:
                 (x.copy_(pool[start:start + rows]) if gather
                  else pool[start:start + rows].copy_(x))

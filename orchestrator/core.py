@@ -238,16 +238,18 @@ class LoadBackOrchestrator(HandOff):
     # ------------------------------------------------------------ store/finish
 
     def store(self, request_id: str, token_ids: Sequence[int], slots: torch.Tensor,
-              *, cache_salt: str = "") -> bool:
-        """STORE the finished request's whole chunks (bounded by deadlines.store_ms)."""
-        if self.kv_pool is None or not self.breaker.allow() or not self.link.registered():
+              *, cache_salt: str = "", pool=None) -> bool:
+        """STORE the finished request's whole chunks (bounded by deadlines.store_ms); `pool`:
+        where `slots` are, if not the pool loads land in (vLLM's staged store region)."""
+        pool = self.kv_pool if pool is None else pool
+        if pool is None or not self.breaker.allow() or not self.link.registered():
             return False
         if len(token_ids) < self.connector.chunk_size or not self.connector.writer:
             return True  # TP-replicated KV (MLA): one rank writes for the group
         sid = self.sessions.store_id(request_id)
         self._touch_session(sid, self.connector.epoch)
         try:
-            ok = self.connector.store_from(token_ids, sid, self.kv_pool, slots,
+            ok = self.connector.store_from(token_ids, sid, pool, slots,
                                            timeout_s=self.config.deadlines.store_ms / 1000,
                                            cache_salt=cache_salt)
         except ConnectorError as exc:

@@ -65,6 +65,22 @@ class PagedCPUView:
         """The staging slots of `n` tokens from `base`."""
         return self._slots[base:base + n]
 
+    @property
+    def store_pool(self) -> KVPool:
+        """The pool stores read (the staging pool's store region, from `store_base`)."""
+        return self.pool
+
+    @property
+    def store_tokens(self) -> int:
+        """The store region's slots."""
+        return self.staging_tokens
+
+    def load_slots(self, block_ids: Sequence[int], tokens: int) -> torch.Tensor:
+        """The slots a load of `tokens` into `block_ids` lands in (the load region, then
+        `to_blocks`)."""
+        block_index(self, block_ids, tokens, 0)
+        return self.slots(tokens)
+
     def _index(self, block_ids: Sequence[int], tokens: int, base: int) -> torch.Tensor:
         return block_index(self, block_ids, tokens, base)
 

@@ -1,6 +1,7 @@
 """vLLM 0.32's CUDA paged KV cache (FlashAttention's reading of it) as the engine-neutral
-`KVLayout` / `KVPool` see it: a token-major staging pool on the layers' device and whole-block
-copies between it and the paged layers (docs/vllm.md, "The CUDA layout").
+`KVLayout` / `KVPool` see it: loads land straight in vLLM's blocks through strided views of
+their K and V halves, stores go through a staging region on the layers' device (docs/vllm.md,
+"The CUDA layout").
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ import torch
 from lmcache_loadback.connectors.errors import UnsupportedKVPool
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool, check_pool
 
-from .paged import PagedCPUView, block_index
+from .paged import PagedCPUView
 
 #: Devices whose layers get `PagedCUDAView`; the rest get `PagedCPUView` (tests add "cpu").
 CUDA_VIEW_DEVICES: tuple[str, ...] = ("cuda",)
 
 
 class PagedCUDAView:
-    """The paged layers of one vLLM worker on CUDA (in `layout`'s layer order) and a staging
-    pool on their device, with `PagedCPUView`'s surface (the worker uses either).
+    """The paged layers of one vLLM worker on CUDA (in `layout`'s layer order): `pool`, the
+    K and V halves of vLLM's own blocks that loads land in, and `store_pool`, a staging region
+    on their device that stores are copied to; `PagedCPUView`'s surface (the worker uses
+    either).
 
     What vLLM 0.32 allocates (read in its own source):
     - `vllm/v1/worker/utils.py` `allocate_kv_cache` (called by `GPUModelRunner.
@@ -40,86 +43,105 @@ class PagedCUDAView:
       `vllm/v1/attention/backends/flash_attn.py`) as `kv.transpose(1, 2).split(head_size,
       -1)`: K of (block b, offset n, head h) is `kv[b, h, n, :head_size]`, V is `kv[b, h, n,
       head_size:]`; slot = block * block_size + offset (its `slot_mapping`).
-    So K and V of a token interleave per head: no `[slots, heads, head_size]` view with
-    contiguous rows exists, which the core's `KVPool` needs (its gather/scatter and CUDA
-    kernel view each buffer as `[slots, heads * head_size]`). Hence, as on CPU, a token-major
-    `pool` of `2 * staging_tokens` slots (loads [0, staging_tokens), stores the rest) on the
-    layers' device, and one index op per layer (by block id, on the device) between it and
-    the blocks. The copies read the logical indices above, so every physical order works.
+    So K and V of a token interleave per head, but each head's K (and V) is `head_size`
+    contiguous elements at fixed strides: K of kernel block b, offset n, head h sits at
+    `b * S_b + n * S_n + h * S_h` (+ head_size for V). With R = S_b / S_n, "row" b * R + n of
+    the strided view `[rows, H, head_size]` (strides S_n, S_h, 1) is that token, in every
+    physical order (R = N for LBNHC, H * N for LBHNC, more for block-outermost ones). Those
+    views are the load pool: the core's copy writes each head's K and V where FlashAttention
+    reads them, with no staging copy. Stores still go through `store_pool` (`staging_tokens`
+    token-major slots): vLLM may reuse the blocks once the step is over, the staged copy stays.
     """
 
     def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout, block_size: int,
-                 staging_tokens: int) -> None:
+                 staging_tokens: int, store_tokens: int | None = None) -> None:
+        """`staging_tokens`: the most tokens one load or store moves; `store_tokens` (default
+        the same): the store region's slots, on the layers' device."""
         if len(layers) != layout.num_layers:
             raise UnsupportedKVPool(f"loadback: vLLM registered {len(layers)} KV layers, its "
                                     f"KV cache config names {layout.num_layers}")
         self.layout, self.block_size, self.staging_tokens = layout, block_size, staging_tokens
+        self.store_tokens = staging_tokens if store_tokens is None else store_tokens
         self.device = layers[0].device
         first = layers[0]
         for i, t in enumerate(layers):
             _check_layer(i, t, first, layout, block_size)
         kb = int(first.shape[2])  # vLLM's kernel block size: block_size / kb of them a block
+        self._kb = kb
         self.num_blocks = int(first.shape[0]) * kb // block_size
         h, d = layout.num_heads, layout.head_dim
-        # [blocks, kernel blocks per block, heads, kernel block size, K|V]: FlashAttention's
-        # logical indexing with vLLM's blocks as dim 0
-        self._blocks = [t.unflatten(0, (self.num_blocks, block_size // kb)) for t in layers]
-        shape = (2 * staging_tokens, h, d)
-        self.pool = KVPool(
+        s_b, s_h, s_n = first.stride()[:3]
+        self._rows_per_kblock = s_b // s_n  # R: pool rows from one kernel block to the next
+        rows = (int(first.shape[0]) - 1) * self._rows_per_kblock + kb
+        kv = [t.as_strided((rows, h, 2 * d), (s_n, s_h, 1)) for t in layers]
+        self.pool = KVPool([x[..., :d] for x in kv], [x[..., d:] for x in kv])
+        shape = (self.store_tokens, h, d)
+        self.store_pool = KVPool(
             [torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in layers],
             [torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in layers])
-        check_pool(layout, self.pool)
-        self._slots = torch.arange(2 * staging_tokens, dtype=torch.int64)
+        check_pool(layout, self.store_pool)
+        self._slots = torch.arange(self.store_tokens, dtype=torch.int64)
         self._staged = None  # CUDA event after the last copy into the store region
 
-    @property
-    def store_base(self) -> int:
-        """Where the store region starts (loads use [0, store_base))."""
-        return self.staging_tokens
+    #: where the store region starts in `store_pool`
+    store_base = 0
 
     def slots(self, n: int, base: int = 0) -> torch.Tensor:
-        """The staging slots of `n` tokens from `base` (host tensor: the core moves them to
-        the device through page-locked staging, never a host wait). Asked for the store
-        region, on the thread that stores, its current stream first waits for the copy
-        `from_blocks` queued there (a stream wait, not a host wait)."""
-        if base >= self.store_base and self._staged is not None:
+        """The store region's slots of `n` tokens from `base` (host tensor: the core moves
+        them to the device through page-locked staging, never a host wait). On the thread
+        that stores, its current stream first waits for the copy `from_blocks` queued there
+        (a stream wait, not a host wait)."""
+        if self._staged is not None:
             torch.cuda.current_stream(self.device).wait_event(self._staged)
         return self._slots[base:base + n]
 
-    def _index(self, block_ids: Sequence[int], tokens: int, base: int) -> torch.Tensor:
-        idx = block_index(self, block_ids, tokens, base)
-        if self.device.type != "cuda":
-            return idx
-        return idx.pin_memory().to(self.device, non_blocking=True)  # no host wait
+    def load_slots(self, block_ids: Sequence[int], tokens: int) -> torch.Tensor:
+        """The `pool` rows of `tokens` tokens in vLLM's blocks `block_ids` (host tensor)."""
+        idx = self._block_ids(block_ids, tokens)
+        r = self.block_size // self._kb
+        kblocks = (idx[:, None] * r + torch.arange(r)).reshape(-1)  # kernel blocks in order
+        rows = kblocks[:, None] * self._rows_per_kblock + torch.arange(self._kb)
+        return rows.reshape(-1)
 
-    def _rows(self, nb: int) -> tuple[int, int, int, int]:
-        kb = self._blocks[0].shape[3]
-        return nb, self.block_size // kb, kb, self.layout.num_heads
+    def _block_ids(self, block_ids: Sequence[int], tokens: int) -> torch.Tensor:
+        """The block ids as a CPU int64 tensor; ValueError unless `tokens` fill them, at most
+        `staging_tokens`, and every id is one of vLLM's blocks."""
+        nb, bs = len(block_ids), self.block_size
+        if tokens != nb * bs or tokens > self.staging_tokens:
+            raise ValueError(f"{tokens} tokens in {nb} blocks of {bs} (one load or store "
+                             f"moves at most {self.staging_tokens})")
+        idx = torch.tensor(list(block_ids), dtype=torch.int64)
+        if nb and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
+            raise ValueError(f"block ids {list(block_ids)} outside [0, {self.num_blocks})")
+        return idx
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)  # no host wait
 
     def to_blocks(self, block_ids: Sequence[int], tokens: int, base: int = 0,
                   ready=None) -> None:
-        """Staging slots [base, base + tokens) -> the blocks `block_ids`, every layer, K and V,
-        queued on the current stream after `ready` (the load's completion event)."""
-        idx = self._index(block_ids, tokens, base)
+        """The load wrote vLLM's blocks itself (`load_slots`): vLLM's current stream (the
+        forward's) waits for its completion event `ready`; nothing is copied."""
+        self._block_ids(block_ids, tokens)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
-        shape, end = self._rows(len(block_ids)), base + tokens
-        for k, v, dst in zip(self.pool.k_buffer, self.pool.v_buffer, self._blocks):
-            kv = torch.cat((k[base:end].view(*shape, -1), v[base:end].view(*shape, -1)), -1)
-            dst.index_copy_(0, idx, kv.permute(0, 1, 3, 2, 4))  # [blocks, r, heads, kb, 2D]
 
     def from_blocks(self, block_ids: Sequence[int], tokens: int, base: int = 0) -> None:
-        """The blocks `block_ids` -> staging slots [base, base + tokens), every layer, K, V,
-        queued on the current stream (after the forward that wrote them: vLLM may reuse the
-        blocks once this step is over, the staging copy stays)."""
-        idx = self._index(block_ids, tokens, base)
-        d, end = self.layout.head_dim, base + tokens
-        nb, r, kb, h = self._rows(len(block_ids))
-        for k, v, src in zip(self.pool.k_buffer, self.pool.v_buffer, self._blocks):
-            rows = src.index_select(0, idx).permute(0, 1, 3, 2, 4)  # [blocks, r, kb, heads, 2D]
-            k[base:end].view(nb, r, kb, h, d).copy_(rows[..., :d])
-            v[base:end].view(nb, r, kb, h, d).copy_(rows[..., d:])
-        if self.device.type == "cuda" and base >= self.store_base:
+        """The blocks `block_ids` -> store region slots [base, base + tokens), every layer, K
+        and V, queued on the current stream (after the forward that wrote them: vLLM may
+        reuse the blocks once this step is over, the staged copy stays)."""
+        if base < 0 or base + tokens > self.store_tokens:
+            raise ValueError(f"{tokens} tokens at store slot {base} (the store region holds "
+                             f"{self.store_tokens})")
+        rows = self._on_device(self.load_slots(block_ids, tokens))
+        end = base + tokens
+        for src, dst in ((self.pool.k_buffer, self.store_pool.k_buffer),
+                         (self.pool.v_buffer, self.store_pool.v_buffer)):
+            for a, b in zip(src, dst):
+                torch.index_select(a, 0, rows, out=b[base:end])
+        if self.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record(torch.cuda.current_stream(self.device))
 
@@ -148,17 +170,19 @@ def _check_layer(i: int, t: torch.Tensor, first: torch.Tensor, layout: KVLayout,
     st = t.stride()
     inner = sorted(((st[1], h), (st[2], kb)))
     if st[3] != 1 or inner[0][0] != 2 * d or inner[1][0] != inner[0][1] * 2 * d \
-            or st[0] < h * kb * 2 * d:
+            or st[0] < h * kb * 2 * d or st[0] % st[2] or st != first.stride():
         raise UnsupportedKVPool(
             f"{got} with strides {st}: K and V of a token are not [heads, head_size] rows of "
             f"one dense block (K|V of a head contiguous, each block's [heads, block_size, "
-            f"2*head_size] one run); {served}")
+            f"2*head_size] one run, every layer alike); {served}")
 
 
 def paged_view(layers: Sequence[torch.Tensor], layout: KVLayout, block_size: int,
-               staging_tokens: int) -> PagedCPUView | PagedCUDAView:
+               staging_tokens: int, store_tokens: int | None = None
+               ) -> PagedCPUView | PagedCUDAView:
     """The view for vLLM's registered layers: CUDA layers (`CUDA_VIEW_DEVICES`) in vLLM's
-    CUDA layout, anything else in its CPU layout; each refuses what it does not serve."""
-    view = PagedCUDAView if layers and layers[0].device.type in CUDA_VIEW_DEVICES \
-        else PagedCPUView
-    return view(layers, layout, block_size, staging_tokens)
+    CUDA layout (its store region of `store_tokens`, default `staging_tokens`), anything
+    else in its CPU layout; each refuses what it does not serve."""
+    if layers and layers[0].device.type in CUDA_VIEW_DEVICES:
+        return PagedCUDAView(layers, layout, block_size, staging_tokens, store_tokens)
+    return PagedCPUView(layers, layout, block_size, staging_tokens)

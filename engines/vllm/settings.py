@@ -21,6 +21,9 @@ CONFIG_KEY = "loadback.config_file"
 STAGING_KEY = "loadback.staging_tokens"
 SCHED_METRICS_KEY = "loadback.scheduler_metrics_port"
 FIX = "start vLLM without --kv-transfer-config (or with another kv_connector)"
+#: The share of the GPU memory left free after vLLM allocated its KV cache that the CUDA
+#: store region may take; the rest stays for vLLM's CUDA graphs and the copies' temporaries.
+FREE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class Settings:
     tp_size: int = 1          # vLLM's --tensor-parallel-size: one KV rank per TP rank
     #: where the scheduler process serves its own loadback_* series (None: not served)
     scheduler_metrics_port: int | None = None
+    #: `loadback.staging_tokens` was set (else it is --max-model-len)
+    staging_set: bool = False
 
     @property
     def chunk_size(self) -> int:
@@ -91,7 +96,37 @@ def from_vllm(vllm_config, kv_cache_config) -> Settings:
                          f"({cfg.chunk_size} tokens)")
     sched_port = extra.get(SCHED_METRICS_KEY)
     return Settings(cfg, layout, block_size, staging, str(ktc.kv_load_failure_policy), source,
-                    tp, None if sched_port in (None, "") else int(sched_port))
+                    tp, None if sched_port in (None, "") else int(sched_port),
+                    staging_set=bool(extra.get(STAGING_KEY)))
+
+
+def store_tokens_for(settings: Settings, free_bytes: int, device: str = "cuda") -> int:
+    """The CUDA store region's tokens, given the bytes `device` has free once vLLM allocated
+    its KV cache (`torch.cuda.mem_get_info` at register_kv_caches): memory outside
+    --gpu-memory-utilization. Each token costs twice its KV bytes (the region, and a store's
+    chunks gathered on the device) and all of it may take `FREE_SHARE` of what is free. The
+    default (--max-model-len) is bounded by that, with a WARNING; an explicit
+    `loadback.staging_tokens` that does not fit, or less than one chunk, is refused: one
+    ERROR line naming the figures and the key, then ValueError."""
+    c, per = settings.chunk_size, 2 * settings.layout.bytes_per_token
+    want, fits = settings.staging_tokens, int(free_bytes * FREE_SHARE) // per // c * c
+    if want <= fits:
+        return want
+    gib = 2**30
+    why = (f"loadback: a store region of {want} tokens ({STAGING_KEY}"
+           f"{'' if settings.staging_set else ', by default --max-model-len'}) needs "
+           f"{want * per / gib:.1f} GiB on {device} outside --gpu-memory-utilization (2 x "
+           f"{settings.layout.bytes_per_token // 1024} KiB per token), {free_bytes / gib:.1f} "
+           f"GiB are free after vLLM's KV cache and it may take {FREE_SHARE:.0%} of them")
+    if settings.staging_set or fits < c:
+        msg = (f"{why}: set {STAGING_KEY} to at most {fits} (whole chunks of {c})" if fits >= c
+               else f"{why}, less than one chunk ({c} tokens): lower --gpu-memory-utilization "
+                    f"to leave GPU memory free, or {FIX}")
+        log.error(msg)
+        raise ValueError(msg)
+    log.warning("%s: the store region holds %d tokens, a prompt of more is not stored (set "
+                "%s to choose)", why, fits, STAGING_KEY)
+    return fits
 
 
 def layout_of(kv_cache_config, chunk_size: int) -> KVLayout:

@@ -18,7 +18,7 @@ from lmcache_loadback.orchestrator.states import DegradeReason
 from .meta import LoadBackMeta, LoadOp, StoreOp
 from .paged import PagedCPUView, ordered_layers
 from .paged_cuda import PagedCUDAView, paged_view
-from .settings import Settings
+from .settings import Settings, store_tokens_for
 
 log = logging.getLogger("loadback.vllm")
 
@@ -51,11 +51,16 @@ class WorkerSide:
                  orchestrator=None) -> None:
         """`tp_group`/`rank`: vLLM's TP group (its CPU/gloo group) and this worker's rank in
         it, when --tensor-parallel-size > 1: each rank is a KV rank holding its heads. CUDA
-        layers get a `PagedCUDAView` (its staging pool on their device: the core's CUDA
-        path), CPU layers a `PagedCPUView`."""
+        layers get a `PagedCUDAView` (loads straight into vLLM's blocks through the core's
+        CUDA path, a store region sized by the free GPU memory), CPU layers a
+        `PagedCPUView`."""
         s = self.settings
-        self.view = paged_view(ordered_layers(kv_caches, self.layer_names), s.layout,
-                               s.block_size, s.staging_tokens)
+        layers = ordered_layers(kv_caches, self.layer_names)
+        store = None
+        if layers and layers[0].device.type == "cuda":  # outside vLLM's memory budget
+            store = store_tokens_for(s, torch.cuda.mem_get_info(layers[0].device)[0],
+                                     str(layers[0].device))
+        self.view = paged_view(layers, s.layout, s.block_size, s.staging_tokens, store)
         self.orch = orchestrator or create_orchestrator(
             self.worker_config(), layout=s.layout, kv_pool=self.view.pool,
             tp_group=tp_group if s.tp_size > 1 else None, kv_rank=rank, world_size=s.tp_size)
@@ -98,7 +103,7 @@ class WorkerSide:
                             len(op.block_ids))
                 self.orch.load_back(op.session, None, decline=DegradeReason.ALLOC_FAILED)
                 return False
-            res = self.orch.load_back(op.session, self.view.slots(n))
+            res = self.orch.load_back(op.session, self.view.load_slots(op.block_ids, n))
             if res.loaded_tokens != n:
                 log.info("%s: load failed (%s); load error, recomputed", op.session,
                          res.reason.value if res.reason else res.state)
@@ -126,7 +131,7 @@ class WorkerSide:
             self._skip(len(ops), "the previous stores are still running")
             return
         batch, base = [], self.view.store_base
-        end = base + self.view.staging_tokens
+        end = base + self.view.store_tokens
         for op in ops:
             n = len(op.token_ids)
             if base + n > end:
@@ -172,7 +177,7 @@ class WorkerSide:
         n = len(op.token_ids)
         try:
             ok = self.orch.store(op.session, op.token_ids, self.view.slots(n, base),
-                                 cache_salt=op.cache_salt)
+                                 cache_salt=op.cache_salt, pool=self.view.store_pool)
             self.stores_done += int(ok)
             return ok
         except Exception:  # noqa: BLE001 - a lost store is a future miss, never a crash

@@ -363,9 +363,16 @@ def run(args) -> int:
         print(NO_CUDA, file=sys.stderr)
         return EXIT_FAILED
     path = getattr(args, "json", None)
+    # What ran, written by the bench itself (the JSON file is its output, nothing added)
+    run_of = {"command": "loadback bench gpu " + " ".join(sys.argv[sys.argv.index("gpu") + 1:]
+                                                          if "gpu" in sys.argv else []),
+              "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "commit": os.environ.get("LOADBACK_COMMIT")}
     result = run_sizes(SIZES, torch.device("cuda", torch.cuda.current_device()),
                        samples=int(getattr(args, "samples", 0) or 0),
-                       partial=(lambda r: write_json(path, r)) if path else None)
+                       partial=(lambda r: write_json(path, {"run": run_of, **r}))
+                       if path else None)
+    result = {"run": run_of, **result}
     print(f"total wall time {result['wall_s']:.1f} s")
     if getattr(args, "json", None):
         write_json(args.json, result)

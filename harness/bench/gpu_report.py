@@ -14,8 +14,10 @@ from .gpu_contenders import CHUNK, LAYOUT
 #: prepare_retrieve where it runs at match) + load + the commit's round trip (paid on the
 #: request path or not), LMCache page 256 = lookup + retrieve (which releases its locks);
 #: e2e_bound_ratio holds ours against LMCache's own lookup plus the pinned copy.
+#: vllm_cuda_*: the vLLM connector's CUDA load (into vLLM's own blocks) over the pinned copy.
 TARGETS = {"p7_ratio": 0.9, "p7_ratio_1k": 0.75, "p7_vs_lmcache_page1": 30.0,
-           "e2e_vs_lmcache": 1.05, "e2e_bound_ratio": 0.9}
+           "e2e_vs_lmcache": 1.05, "e2e_bound_ratio": 0.9, "vllm_cuda_vs_pinned": 0.9,
+           "vllm_cuda_vs_pinned_1k": 0.75}
 #: The LMCache configuration the whole path is judged against (its best case), and ours.
 E2E_LMCACHE, E2E_OURS = "lmcache-p256", "ours-shm"
 
@@ -78,7 +80,7 @@ def report(rows, notes, dev) -> dict:
         print(f"{k:<15} = {fmt(v, 3):>7}   target >= {TARGETS[k]}   "
               f"{'MET' if met[k] else 'NOT MET'}")
     for k in ("p7_vs_lmcache", "cold_p7_ratio", "cold_p7_ratio_1k", "cold_p7_vs_lmcache",
-              "cold_e2e_vs_lmcache", "cold_e2e_bound_ratio", "vllm_cuda_vs_pinned"):
+              "cold_e2e_vs_lmcache", "cold_e2e_bound_ratio"):
         print(f"{k:<19} = {fmt(out[k], 3):>7}")
     return {**out, "targets": {k: f">= {v}" for k, v in TARGETS.items()}, "targets_met": met,
             "device": name, "torch": torch.__version__, "layout": {
@@ -169,5 +171,6 @@ def _figures(rows) -> dict:
             "e2e_bound_ratio": worst_all("e2e_bound_ratio"),
             "cold_e2e_vs_lmcache": worst_all("cold_e2e_vs_lmcache"),
             "cold_e2e_bound_ratio": worst_all("cold_e2e_bound_ratio"),
-            # the vLLM connector's CUDA path (load + copy into vLLM's blocks) over the copy
-            "vllm_cuda_vs_pinned": worst("vllm_cuda_vs_pinned", rows)}
+            # the vLLM connector's CUDA path (the load into vLLM's blocks) over the copy
+            "vllm_cuda_vs_pinned": worst("vllm_cuda_vs_pinned", big),
+            "vllm_cuda_vs_pinned_1k": one_k[0].get("vllm_cuda_vs_pinned") if one_k else None}

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU host, from the repository root: install the carried wheels (.whl/), rebuild
-# lmcache.cuda_ops from the carried 0.5.6 sources (.lmsrc/csrc), run the GPU tests, then
-# `loadback bench gpu`. Logs and gpu.json go to $OUT. Steps: STEPS="tests bench" (default).
+# lmcache.cuda_ops from the carried 0.5.6 sources (.lmsrc/csrc) while the GPU tests run (ours
+# do not use LMCache's module), then `loadback bench gpu`. Logs and gpu.json go to $OUT.
+# Steps: STEPS="tests bench" (default). Exits with the bench's code; when the bench exited 0
+# (or did not run), with the tests' code.
 set -uo pipefail
 OUT=${OUT:-/tmp/loadback-gpu-out}
 mkdir -p "$OUT"
@@ -21,16 +23,23 @@ export PYTHONPATH=/tmp/site:$PWD
 echo "[$(( $(t) - T0 )) s] wheels installed"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])'
-python3 -m lmcache_loadback.harness.gpu.build_cuda_ops .lmsrc/csrc /tmp/site > "$OUT/build.log" 2>&1
-echo "[$(( $(t) - T0 )) s] cuda_ops: $(tail -1 "$OUT/build.log")"
+python3 -m lmcache_loadback.harness.gpu.build_cuda_ops .lmsrc/csrc /tmp/site > "$OUT/build.log" 2>&1 &
+build=$!
+rc_tests=0
 if [[ " $STEPS " == *" tests "* ]]; then
-    timeout 240 python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" \
-        > "$OUT/gpu_tests.log" 2>&1
-    rc=$?
-    echo "[$(( $(t) - T0 )) s] gpu tests rc=$rc: $(tail -1 "$OUT/gpu_tests.log")"
+    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/gpu -q -p no:cacheprovider \
+        -o addopts="" > "$OUT/gpu_tests.log" 2>&1
+    rc_tests=$?
+    echo "[$(( $(t) - T0 )) s] gpu tests rc=$rc_tests: $(tail -1 "$OUT/gpu_tests.log")"
 fi
+wait "$build"
+echo "[$(( $(t) - T0 )) s] cuda_ops rc=$?: $(tail -1 "$OUT/build.log")"
+rc_bench=0
 if [[ " $STEPS " == *" bench "* ]]; then
     python3 -m lmcache_loadback.orchestrator.cli bench gpu --json "$OUT/gpu.json" ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench.log"
-    echo "[$(( $(t) - T0 )) s] bench done"
+    rc_bench=${PIPESTATUS[0]}
+    echo "[$(( $(t) - T0 )) s] bench rc=$rc_bench"
 fi
+(( rc_bench != 0 )) && exit "$rc_bench"
+exit "$rc_tests"

@@ -14,7 +14,6 @@ import torch
 from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.connectors.gpu_transfer import GpuTransferError
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
-from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from lmcache_loadback.connectors.retrieval import Retrieval
 from lmcache_loadback.engines.sglang.pools import mha_layout
 from tests.stepping import Stepped
@@ -57,21 +56,6 @@ def pickle_daemon():
     d.start()
     yield d
     d.stop()
-
-
-@pytest.fixture
-def conns():
-    made = []
-
-    def make(d, layout, **kw):
-        c = LMCacheMPConnector(d.endpoint, layout, device=DEV, **kw)
-        c.register(T)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
 
 
 def _roundtrip(conn, layout, *, n_tok=5 * CHUNK, skip=5, tag=""):

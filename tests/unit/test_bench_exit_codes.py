@@ -55,7 +55,8 @@ from lmcache_loadback.harness.bench import gpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MET_GPU = {"p7_ratio": 0.95, "p7_ratio_1k": 0.8, "p7_vs_lmcache_page1": 35.0,
-           "e2e_vs_lmcache": 1.1, "e2e_bound_ratio": 0.95}
+           "e2e_vs_lmcache": 1.1, "e2e_bound_ratio": 0.95, "vllm_cuda_vs_pinned": 0.93,
+           "vllm_cuda_vs_pinned_1k": 0.8}
 
 
 def _gpu_result(dropped=None, **figures) -> dict:
@@ -192,7 +193,21 @@ def test_whole_path_takes_the_median_of_per_sample_sums():
 
 def test_the_gpu_targets_judge_the_whole_path():
     assert gpu.TARGETS == {"p7_ratio": 0.9, "p7_ratio_1k": 0.75, "p7_vs_lmcache_page1": 30.0,
-                           "e2e_vs_lmcache": 1.05, "e2e_bound_ratio": 0.9}
+                           "e2e_vs_lmcache": 1.05, "e2e_bound_ratio": 0.9,
+                           "vllm_cuda_vs_pinned": 0.9, "vllm_cuda_vs_pinned_1k": 0.75}
+
+
+def test_the_vllm_cuda_load_is_judged_at_4k_and_up_and_at_1k_apart():
+    """vllm_cuda_vs_pinned is the worst at >= 4k tokens (0.9 asked), the 1k figure is its
+    own (0.75 asked), as for ours over the copy."""
+    from lmcache_loadback.harness.bench import gpu_report
+    rows = [{"tokens": n, "ours_over_copy": 0.95, "vllm_cuda_vs_pinned": v}
+            for n, v in ((1024, 0.78), (4096, 0.91), (16384, 0.96), (65536, 0.97))]
+    out = gpu_report._figures(rows)
+    assert out["vllm_cuda_vs_pinned"] == 0.91 and out["vllm_cuda_vs_pinned_1k"] == 0.78
+    result = _gpu_result(vllm_cuda_vs_pinned=0.88)
+    code, why = gpu.verdict(result)
+    assert code == 1 and why == ["target missed: vllm_cuda_vs_pinned = 0.880, target >= 0.9"]
 
 
 def test_lmcache_page_256_never_gets_page_0_its_daemon_s_null_block():

@@ -1,7 +1,9 @@
 """`PagedCUDAView` on CPU tensors laid out exactly as vLLM 0.32 lays out a CUDA KV cache
-(vLLM's own `allocate_kv_cache`, FlashAttention's `[B, H, N, 2*head_size]`, LBNHC and LBHNC),
-stored from some blocks and loaded into others through the worker side against the real
-lmcache 0.5.6 daemon, checked where FlashAttention reads each token's K and V.
+(vLLM's own `allocate_kv_cache`, FlashAttention's `[B, H, N, 2*head_size]`, LBNHC and LBHNC):
+loads written straight into vLLM's blocks by the core's copy, stores staged token-major, and
+both through the worker side against the real lmcache 0.5.6 daemon, checked where
+FlashAttention reads each token's K and V (tests/gpu/test_paged_cuda_device.py runs the same
+on a CUDA device).
 
 Run: .venv-vllm/bin/python -m pytest tests/vllm/test_paged_cuda.py -q
 """
@@ -16,7 +18,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from lmcache_loadback.connectors.errors import UnsupportedKVPool
-from lmcache_loadback.connectors.kv_layout import KVLayout
+from lmcache_loadback.connectors.kv_layout import KVLayout, scatter_chunks
 from lmcache_loadback.engines.vllm import paged_cuda
 from lmcache_loadback.engines.vllm.meta import LoadBackMeta, LoadOp, StoreOp
 from lmcache_loadback.engines.vllm.paged_cuda import PagedCUDAView
@@ -59,30 +61,88 @@ def flash_kv(layer: torch.Tensor, block: int, offset: int) -> tuple[torch.Tensor
     return k[b, n].view(torch.int16), v[b, n].view(torch.int16)
 
 
-@pytest.mark.parametrize("order,kernel_block", [(KVCacheLayout.LBNHC, None),
-                                                (KVCacheLayout.LBHNC, None),
-                                                (KVCacheLayout.LBNHC, 16)])
-def test_blocks_round_trip_through_staging(order, kernel_block):
+ORDERS = [(KVCacheLayout.LBNHC, None), (KVCacheLayout.LBHNC, None), (KVCacheLayout.LBNHC, 16)]
+
+
+def _chunks(n: int, seed: int) -> list[torch.Tensor]:
+    """`n // CHUNK` random chunks as the daemon hands them out ([K|V, layers, chunk, hidden])."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(LAYOUT.chunk_shape, generator=g).to(DTYPE) for _ in range(n // CHUNK)]
+
+
+def _token(chunks, kv: int, layer: int, t: int) -> torch.Tensor:
+    """Token t's K (kv 0) or V (kv 1) of `layer` in the chunks, [heads, head_size] as int16."""
+    return chunks[t // CHUNK][kv, layer, t % CHUNK].view(HEADS, HEAD).view(torch.int16)
+
+
+def _cpu_transfer_load(chunks, pool, slots):
+    """The core's CUDA copy path (`GpuTransfer.load`, its torch scatter) run on the CPU."""
+    from lmcache_loadback.connectors.gpu_transfer import GpuTransfer
+    GpuTransfer("cpu", scatter="torch").load(LAYOUT, chunks, pool, slots, 0,
+                                             from_segment=False)
+
+
+@pytest.mark.parametrize("mover", ["kv_layout", "gpu_transfer"])
+@pytest.mark.parametrize("order,kernel_block", ORDERS)
+def test_loads_land_in_vllm_blocks_where_flash_attention_reads(order, kernel_block, mover):
+    """The load pool is vLLM's own blocks: the core's copy (the CPU scatter or the CUDA
+    path's) into `load_slots` writes each token's K and V where FlashAttention reads them,
+    and no other byte of the cache."""
     layers = vllm_layers(24, order, kernel_block)
     if order is KVCacheLayout.LBNHC:
         assert not layers[0].is_contiguous()  # FlashAttention's default is strided
     before = [t.clone() for t in layers]
     view = PagedCUDAView(layers, LAYOUT, BLOCK, 4 * CHUNK)
-    src, dst = [3, 17, 5, 0], [9, 22, 1, 14]
-    view.from_blocks(src, 4 * BLOCK, base=view.store_base)
-    for k, v in zip(view.pool.k_buffer, view.pool.v_buffer):  # staging is token-major
-        k[:4 * BLOCK].copy_(k[view.store_base:view.store_base + 4 * BLOCK])
-        v[:4 * BLOCK].copy_(v[view.store_base:view.store_base + 4 * BLOCK])
-    view.to_blocks(dst, 4 * BLOCK)
-    for layer, old in zip(layers, before):
-        for s, d in zip(src, dst):
+    dst, n = [9, 22, 1, 14, 0, 23, 5, 16], 8 * BLOCK
+    chunks = _chunks(n, 5)
+    slots = view.load_slots(dst, n)
+    if mover == "kv_layout":
+        scatter_chunks(LAYOUT, chunks, view.pool.k_buffer, view.pool.v_buffer, slots)
+    else:
+        _cpu_transfer_load(chunks, view.pool, slots)
+    view.to_blocks(dst, n)
+    for li, layer in enumerate(layers):
+        for j, d in enumerate(dst):
             for off in range(BLOCK):
-                assert all(torch.equal(a, b) for a, b in
-                           zip(flash_kv(layer, d, off), flash_kv(old, s, off))), (s, d, off)
-        untouched = [b for b in range(24) if b not in dst]
-        for b in untouched:
-            assert all(torch.equal(flash_kv(layer, b, o)[0], flash_kv(old, b, o)[0])
-                       for o in (0, BLOCK - 1))
+                k, v = flash_kv(layer, d, off)
+                t = j * BLOCK + off
+                assert torch.equal(k, _token(chunks, 0, li, t)) and \
+                    torch.equal(v, _token(chunks, 1, li, t)), (li, d, off)
+        blocks, old = layer.unflatten(0, (24, -1)), before[li].unflatten(0, (24, -1))
+        for b in (b for b in range(24) if b not in dst):  # vLLM's blocks (kernel blocks)
+            assert torch.equal(blocks[b].view(torch.int16), old[b].view(torch.int16))
+
+
+@pytest.mark.parametrize("order,kernel_block", ORDERS)
+def test_stores_stage_the_blocks_token_major(order, kernel_block):
+    """from_blocks copies the blocks' K and V (as FlashAttention reads them) into the store
+    region, which the core then gathers from; the blocks may change afterwards."""
+    layers = vllm_layers(24, order, kernel_block)
+    view = PagedCUDAView(layers, LAYOUT, BLOCK, 4 * CHUNK)
+    src, base = [3, 17, 5, 0], BLOCK
+    view.from_blocks(src, 4 * BLOCK, base=base)
+    want = [[tuple(x.clone() for x in flash_kv(t, s, off)) for s in src for off in range(BLOCK)]
+            for t in layers]
+    for t in layers:
+        t.fill_(-3.0)  # vLLM reuses the blocks
+    sl = view.slots(4 * BLOCK, base)
+    for li in range(LAYERS):
+        got_k = view.store_pool.k_buffer[li][sl].view(torch.int16)
+        got_v = view.store_pool.v_buffer[li][sl].view(torch.int16)
+        for r, (k, v) in enumerate(want[li]):
+            assert torch.equal(got_k[r], k) and torch.equal(got_v[r], v), (li, r)
+    with pytest.raises(ValueError, match="store region holds"):
+        view.from_blocks(src, 4 * BLOCK, base=view.store_tokens - BLOCK)
+
+
+def test_load_slots_refuse_what_vllm_did_not_allocate():
+    view = PagedCUDAView(vllm_layers(8, KVCacheLayout.LBNHC), LAYOUT, BLOCK, 2 * CHUNK)
+    with pytest.raises(ValueError, match=r"block ids \[3, 8\] outside \[0, 8\)"):
+        view.load_slots([3, 8], 2 * BLOCK)
+    with pytest.raises(ValueError, match="moves at most 128"):
+        view.load_slots(list(range(6)), 6 * BLOCK)
+    with pytest.raises(ValueError, match="in 2 blocks of 32"):
+        view.load_slots([1, 2], BLOCK)
 
 
 @pytest.fixture

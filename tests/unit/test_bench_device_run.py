@@ -1,0 +1,36 @@
+"""harness/gpu/device_run.sh exits with the bench's code (it pipes the bench through tee), and
+with the GPU tests' code when the bench passed: run with stand-ins for python3 and nvidia-smi
+that exit with chosen codes (the real ones need the GPU host)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+case "$*" in
+  *"bench gpu"*) echo "bench output"; exit "$FAKE_BENCH_RC" ;;
+  *"pytest tests/gpu"*) echo "1 failed"; exit "$FAKE_TESTS_RC" ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("bench,tests,want", [(1, 0, 1), (0, 0, 0), (0, 1, 1), (2, 1, 2)])
+def test_device_run_exits_with_the_bench_code(tmp_path, bench, tests, want):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, body in (("python3", FAKE_PYTHON), ("nvidia-smi", "#!/usr/bin/env bash\n")):
+        (bin_ / name).write_text(body)
+        (bin_ / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "FAKE_BENCH_RC": str(bench), "FAKE_TESTS_RC": str(tests)}
+    run = subprocess.run(["bash", str(ROOT / "harness/gpu/device_run.sh")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == want, run.stdout + run.stderr
+    assert "bench output" in run.stdout and f"bench rc={bench}" in run.stdout
