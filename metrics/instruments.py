@@ -195,6 +195,16 @@ class LoadbackMetrics(OperatorView):
             "Ranges prepared at match that waited past prepare_max_age_ms for their load: "
             "released and asked for again, never copied (the daemon's read TTL).",
             registry=reg)
+        self.worker_thread_restarts_total = Counter(
+            "loadback_worker_thread_restarts_total",
+            "Engine worker threads (LOOKUP, store) that died, something having got past their "
+            "handlers, and were replaced (the log has one ERROR line, the first time).",
+            registry=reg)
+        self.leases_expired_total = Counter(
+            "loadback_leases_expired_total",
+            "LOOKUPs whose read locks outlived lease_max_age_ms unreleased: forfeited, never "
+            "freed (the daemon's read TTL may have given them to another reader).",
+            registry=reg)
         # livemin: a rank still on an old config shows as the lower generation.
         self.config_gen = Gauge("loadback_config_generation", "Generation of the config in effect.",
                                 registry=reg, multiprocess_mode="livemin")
@@ -315,6 +325,12 @@ class LoadbackMetrics(OperatorView):
 
     def prepared_expired(self) -> None:
         self.prepared_expired_total.inc()
+
+    def worker_thread_restarted(self) -> None:
+        self.worker_thread_restarts_total.inc()
+
+    def lease_expired(self) -> None:
+        self.leases_expired_total.inc()
 
     def transfer_mode(self, mode: str) -> None:
         """Set at every registration: the chosen mode 1, the others 0."""

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lmcache_loadback.connectors.base import Connector
+from lmcache_loadback.connectors.base import Connector, Retrieved
 from lmcache_loadback.connectors.errors import ConnectorError, SlotsError
 from lmcache_loadback.metrics import LoadbackMetrics
 
@@ -191,11 +191,14 @@ class LoadBackOrchestrator(HandOff):
 
     @_owns_release(lambda _, loaded: loaded)  # the load's own outcome: the slots hold that
     def load_back(self, request_id: str, slots: torch.Tensor | None, *,
-                  decline: DegradeReason | None = None) -> LoadResult:
+                  decline: DegradeReason | None = None,
+                  land: Callable[[Retrieved], None] | None = None) -> LoadResult:
         """RETRIEVE the promised tokens into `slots` (one slot per promised token) within
         the retrieve deadline. All or nothing: every promised token byte-exact, or 0.
         `decline`: this rank's engine will not load (the prefix degrades with that reason);
-        under tensor parallelism the call still joins the group's decision."""
+        under tensor parallelism the call still joins the group's decision. `land`: the
+        engine's own step once the bytes are in `slots` (vLLM copies them into its blocks),
+        before the outcome is decided: if it raises, the load degrades (`alloc_failed`)."""
         start = self.clock()
         with self._lock:
             p = self._live.get(request_id)
@@ -222,11 +225,17 @@ class LoadBackOrchestrator(HandOff):
         ok = self.tp.min(int(reason is None))
         self.metrics.observe_retrieve(self.clock() - start)
         if ok:
+        if reason is None and land is not None:
+            try:
+                land(got)
+            except Exception:  # noqa: BLE001 - the engine recomputes, never crashes
+                log.exception("%s: the load landed but the engine could not take it", request_id)
+                reason = DegradeReason.ALLOC_FAILED
             self.break_even.observe(got.nbytes, self.clock() - start)
             self._fire(p, "land")
             self._record_outcome(p, loaded_bytes=got.nbytes)
         else:
-            if reason is None and got.ready is not None:
+            if got is not None and got.ready is not None:
                 # Landed here but a peer failed: the engine recomputes into these slots, so
                 # the copy still in flight must finish first (no late write).
                 got.ready.synchronize()

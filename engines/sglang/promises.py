@@ -1,7 +1,8 @@
 """A request's promise from the daemon, and the worker threads (LOOKUP for 0.5.23, STORE) the
 scheduler thread submits to and polls, never waits on. A worker outlives anything a job does:
 every job completes on every path, and a thread that died all the same is replaced where the
-scheduler thread next touches it (`ensure_alive`). Queue depths are exported as gauges.
+scheduler thread next touches it (`WorkerThread.ensure_alive`). Queue depths are exported as
+gauges.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from .contract import Orchestrator
+from ..threads import WorkerThread
 
 log = logging.getLogger("loadback.hook")
 
@@ -44,107 +45,7 @@ class Lookup:
     abandoned: bool = False   # resolved as a miss at its deadline: the worker releases it
 
 
-class _Worker:
-    """One daemon thread serving a queue; `_serve` completes every job it is given, on every
-    path. A thread that dies all the same (a BaseException past every handler) is replaced
-    where the scheduler thread next touches the worker (`ensure_alive`), logged at ERROR the
-    first time; jobs never run inline instead: the scheduler thread must never wait on the
-    daemon. `depth` is exported whenever a job is queued or completes."""
-
-    name = "loadback-worker"
-    queue = "lookup"  # which depth series it sets (LoadbackMetrics.queue_depth)
-
-    def __init__(self, orch: Orchestrator, *, max_queued: int) -> None:
-        if max_queued < 1:
-            raise ValueError(f"{type(self).__name__} max_queued must be at least 1, "
-                             f"got {max_queued}")
-        self.max_queued = max_queued
-        self.skipped = 0     # jobs refused: max_queued were held already
-        self.orch = orch
-        #: The orchestrator's LoadbackMetrics (None: an orchestrator that exports none).
-        self.metrics = orch.metrics
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._closed = False
-        self.depth = 0       # jobs submitted and not yet completed (queued or running)
-        self.restarts = 0    # threads that died and were replaced
-        self._thread = self._start()
-
-    def _start(self) -> threading.Thread:
-        t = threading.Thread(target=self._run, name=self.name, daemon=True)
-        t.start()
-        return t
-
-    def ensure_alive(self) -> None:
-        """Scheduler thread (submit, poll): replace a thread that died; the jobs it left
-        queued are served by the new one (the one it was running was completed on its way
-        out)."""
-        if self._closed or self._thread.is_alive():
-            return
-        self.restarts += 1
-        if self.restarts == 1:
-            log.error("loadback: the %s thread died (an exception got past its handlers); "
-                      "a new one serves its queue", self.name)
-        else:
-            log.debug("loadback: the %s thread died again; restarted (%d times)", self.name,
-                      self.restarts)
-        self._thread = self._start()
-
-    def _held(self) -> int:
-        """Jobs that still hold what they were given (queued or running)."""
-        return self.depth
-
-    def has_room(self, request_id: str) -> bool:
-        """Scheduler thread, before it builds a job: False (counted, logged at DEBUG) when
-        `max_queued` jobs are held already; the caller then goes without (recomputes)."""
-        held = self._held()
-        if held < self.max_queued:
-            return True
-        self.skipped += 1
-        self._count_skipped()
-        log.debug("%s for %s skipped: %d jobs already held", self.queue, request_id, held)
-        return False
-
-    def _count_skipped(self) -> None:
-        raise NotImplementedError
-
-    def _queue(self, job) -> None:
-        self.ensure_alive()
-        with self._lock:
-            self.depth += 1
-            self._export_depth()
-        self._q.put(job)
-
-    def _completed(self) -> None:
-        with self._lock:
-            self.depth -= 1
-            self._export_depth()
-
-    def _export_depth(self) -> None:
-        """Under _lock: the gauge moves in the order `depth` does."""
-        if self.metrics is not None:
-            self.metrics.queue_depth(self.queue, self.depth)
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        self._closed = True
-        self._q.put(None)
-        self._thread.join(timeout=timeout_s)
-
-    def _run(self) -> None:
-        while (job := self._q.get()) is not None:
-            self._serve(job)
-
-    def _serve(self, job) -> None:
-        raise NotImplementedError
-
-    def _call(self, what: str, fn, request_id: str) -> None:
-        try:
-            fn(request_id)
-        except Exception:  # a daemon failure or a bug: the worker carries on
-            log.exception("%s %s failed", what, request_id)
-
-
-class LookupWorker(_Worker):
+class LookupWorker(WorkerThread):
     """One thread per cache running `match()`: the scheduler thread only polls."""
 
     name = "loadback-lookup"
@@ -217,7 +118,7 @@ class StoreJob:
     stored: bool = False
 
 
-class StoreWorker(_Worker):
+class StoreWorker(WorkerThread):
     """One thread per cache running `store()` (bounded by deadlines.store_ms) and the session
     end behind it, so a finished request never holds the scheduler thread. At most
     `max_queued` stores wait or run at once: each holds a tree lock on its slots, so an
