@@ -118,6 +118,10 @@ class LoadBackConfig(_Section):
     mp_host: Annotated[str, Meta(min_length=1, pattern=r"^\S+$",
                                  description="the daemon's --host, e.g. 127.0.0.1")] = "127.0.0.1"
     mp_port: Annotated[int, Meta(ge=1, le=65535, description="the daemon's --port")] = 5555
+    # the daemon's --http-port (`lmcache server`; 0: none): registration reads its settings
+    # there and refuses a daemon whose CPU pool runs several workers (the fence needs one)
+    mp_http_port: Annotated[int, Meta(ge=0, le=65535,
+                                      description="the daemon's --http-port, 0 for none")] = 0
     transfer: Literal["auto", "pickle", "shm"] = "auto"  # auto: shm when the daemon offers a pool
     # shm: prepare_retrieve at match (under the retrieve deadline), so load_back only copies
     prepare_at_match: bool = True
