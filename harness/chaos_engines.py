@@ -83,7 +83,11 @@ def _fresh_metrics(n_engines: int):
 def make_lane(scn: Scenario, endpoint: str, cfg_port: int, index: int, engines: int, *,
               metrics=None, foreign: tuple[int, ...] = ()) -> Lane:
     """Engine `index` of `engines`: requests named `e{i}-req-{n}` when there are several.
-    `foreign`: threads of this process standing for another (the fault proxy)."""
+    `foreign`: threads of this process standing for another (the fault proxy). The engine's
+    process copies on the calling thread: with torch's intra-op pool the call waited for
+    pool threads queued for a CPU (a soak load_back: 163 ms blocked, 1 ms of its own CPU),
+    time the judge cannot tell from a wait on the daemon."""
+    torch.set_num_threads(1)
     cfg = base_config(cfg_port, {"transfer": scn.transfer, **scn.config})
     pool = KVPool([torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)],
                   [torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)])
@@ -291,7 +295,6 @@ def engine_main(scn: Scenario, endpoint: str, cfg_port: int, index: int, engines
                 wait_registered: bool, pipe, barrier, stop, phase, rounds, failed,
                 hook: RequestHook | None) -> None:
     """An engine process: build, register, run the rounds, settle, report, close."""
-    torch.set_num_threads(1)  # N engines on a few cores: no intra-op thread pools on top
     errors = ErrorLog().__enter__()
     lane = None
     try:

@@ -18,7 +18,7 @@ __all__ = ["OPS", "REFUSALS", "label_sets", "product_metrics"]
 OPS: tuple[str, ...] = ("lookup", "retrieve", "store", "free_locks", "end_session", "ping",
                         "register")
 #: Why a daemon is refused at registration (`loadback_daemon_refused{reason}`).
-REFUSALS: tuple[str, ...] = ("chunk_size",)
+REFUSALS: tuple[str, ...] = ("chunk_size", "cpu_workers")
 
 
 def label_sets() -> dict:

@@ -12,12 +12,14 @@ import time
 from typing import Callable
 
 from lmcache_loadback.connectors.base import Connector
+from lmcache_loadback.connectors.daemon_settings import read_settings
 from lmcache_loadback.connectors.errors import ConnectorError, VersionSkew
 from lmcache_loadback.metrics import LoadbackMetrics
 from lmcache_loadback.metrics.instruments import TRANSFER_MODES
 
 from .config import LoadBackConfig
 from .debts import DebtBook
+from .instruments import REFUSALS
 from .policies import BreakerState, CircuitBreaker
 from .state_log import StateLog
 
@@ -32,6 +34,8 @@ READY_POLL_MAX_S = 0.016
 #: A refused daemon is asked its chunk size again at most this often on one connection (and
 #: at once when a new daemon incarnation answers).
 REFUSED_RECHECK_S = 5.0
+#: What a refused daemon lacks, by `loadback_daemon_refused` reason (its ERROR line).
+_REFUSED_FOR = {"chunk_size": "chunk size", "cpu_workers": "CPU worker count"}
 
 
 class DaemonLink(DebtBook):
@@ -40,7 +44,8 @@ class DaemonLink(DebtBook):
     owed (`owe`) in order per request. The orchestrator calls `owe`, `registered`,
     `suspect`; only this object's own fields cross threads, each under `_lock` or an Event.
 
-    A daemon whose chunk size is not the config's is refused, never registered:
+    A daemon whose chunk size is not the config's, or whose CPU pool runs several workers
+    (read from its HTTP API where `mp_http_port` names it), is refused, never registered:
     `registered()` answers False without waking the heartbeat (match answers 0 without
     touching the socket), and it is checked again at once when a new daemon incarnation
     answers, else every REFUSED_RECHECK_S (a proxy in front can hide a restart from the
@@ -75,7 +80,8 @@ class DaemonLink(DebtBook):
         self.refused: str | None = None
         self._transfer_logged: str | None = None
         self._on_tick: list[Callable[[], None]] = []
-        metrics.daemon_refused("chunk_size", False)
+        for reason in REFUSALS:
+            metrics.daemon_refused(reason, False)
         self.background = background
         if background:
             # Startup never blocks on the daemon: registration happens on the heartbeat.
@@ -122,31 +128,56 @@ class DaemonLink(DebtBook):
     def _endpoint(self) -> str:
         return self.connector.endpoint
 
-    def _check_chunk_size(self, epoch: int) -> bool:
-        """At every registration attempt (an inline round trip): the daemon's chunk size
-        against this config's. False (refused: one ERROR per change,
-        `loadback_daemon_refused{reason="chunk_size"}` 1) on a mismatch. Raises
+    def _check_daemon(self, epoch: int) -> bool:
+        """At every registration attempt, the daemon's settings this link relies on, as the
+        daemon reports them: its chunk size (an inline round trip) against this config's,
+        then, where it serves its HTTP API (`mp_http_port`), its CPU worker count (the
+        fence behind an abandoned LOOKUP proves it served only on one). False (refused: one
+        ERROR per change, `loadback_daemon_refused{reason}` 1) on a mismatch. Raises
         ConnectorError when the daemon does not answer."""
-        theirs = int(self.connector.get_chunk_size(self.control_s))
-        ours = self.connector.chunk_size
+        refusal = self._refusal()
         self._checked_epoch, self._checked_at = epoch, self.breaker.clock()
         was = self.refused
-        if theirs != ours:
-            self.refused = (f"daemon {self._endpoint} --chunk-size {theirs}, this config "
-                            f"chunk_size {ours}: start the daemon with --chunk-size {ours} or "
-                            f"set chunk_size: {theirs}")
-            self.metrics.daemon_refused("chunk_size", True)
+        for reason in REFUSALS:
+            self.metrics.daemon_refused(reason, refusal is not None and refusal[0] == reason)
+        if refusal is not None:
+            reason, self.refused = refusal
             if self.refused != was:
                 self.states.change("refused", "daemon refused, every request recomputes "
-                                   "until one with the right chunk size registers: %s",
-                                   self.refused, level=logging.ERROR)
+                                   "until one with the right %s registers: %s",
+                                   _REFUSED_FOR[reason], self.refused, level=logging.ERROR)
             return False
         self.refused = None
-        self.metrics.daemon_refused("chunk_size", False)
         if was is not None:
-            self.states.change("accepted", "daemon %s accepted: its chunk size %d matches",
-                               self._endpoint, ours)
+            self.states.change("accepted", "daemon %s accepted: its chunk size %d matches%s",
+                               self._endpoint, self.connector.chunk_size,
+                               ", one CPU worker" if self.config.mp_http_port else "")
         return True
+
+    def _refusal(self) -> tuple[str, str] | None:
+        """(reason, what to change) when the daemon cannot be served, else None."""
+        theirs = int(self.connector.get_chunk_size(self.control_s))
+        ours = self.connector.chunk_size
+        if theirs != ours:
+            return "chunk_size", (f"daemon {self._endpoint} --chunk-size {theirs}, this config "
+                                  f"chunk_size {ours}: start the daemon with --chunk-size {ours} "
+                                  f"or set chunk_size: {theirs}")
+        port = self.config.mp_http_port
+        if not port:
+            return None
+        try:
+            workers = read_settings(self.config.mp_host, port, self.control_s).max_cpu_workers
+        except ConnectorError as exc:  # its HTTP API may come up later: checked next time
+            self.states.change("settings_unread", "daemon %s: %s; its CPU worker count is "
+                               "not checked", self._endpoint, exc)
+            return None
+        if workers > 1:
+            return "cpu_workers", (
+                f"daemon {self._endpoint} runs {workers} CPU workers (--max-workers or "
+                "--max-cpu-workers): a LOOKUP may still run when the fence behind it answers, "
+                "and a session ended then comes back with its read locks; start the daemon "
+                "with --max-cpu-workers 1 (--max-workers N still sets its GPU workers)")
+        return None
 
     def suspect(self) -> None:
         """The daemon may have forgotten us: the heartbeat re-registers now, not at its next
@@ -221,7 +252,7 @@ class DaemonLink(DebtBook):
     def _register(self, epoch: int) -> bool:
         """Check the chunk size, then register with the daemon incarnation `epoch`; False
         when it was refused (it answered: up, never registered). Raises ConnectorError."""
-        if not self._check_chunk_size(epoch):
+        if not self._check_daemon(epoch):
             self.registered_epoch = None
             self._up = True
             self.metrics.set_daemon_up(True)

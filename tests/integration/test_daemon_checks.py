@@ -6,8 +6,9 @@ request recomputes (match answers 0 at once), one ERROR naming both values and t
 without a new orchestrator. A daemon killed and restarted gives one WARNING per change: down,
 breaker open, re-registered with the new epoch, breaker closed.
 
-The daemon's CPU worker count (the lookup fence's single-worker precondition) is not checked:
-lmcache 0.5.6 reports `max_cpu_workers` over no ZMQ operation (nor in its /status).
+The daemon's CPU worker count (the lookup fence's single-worker precondition) is checked only
+through its HTTP API (`mp_http_port`, its /config): lmcache 0.5.6 reports `max_cpu_workers` over
+no ZMQ operation (nor in its /status); test_cpu_workers.py.
 """
 
 from __future__ import annotations

@@ -25,9 +25,12 @@ def wait_for(cond, timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    d = DaemonProcess(chunk_size=CHUNK, http=True).start()
+@pytest.fixture(scope="module", params=[[], ["--max-workers", "4", "--max-cpu-workers", "1"]],
+                ids=["default", "max-workers-4"])
+def daemon(request):
+    """The daemon with its default worker flags, and with 4 GPU workers beside the one CPU
+    worker the fence needs (a daemon with more CPU workers is refused: test_cpu_workers.py)."""
+    d = DaemonProcess(chunk_size=CHUNK, http=True, extra_args=request.param).start()
     yield d
     d.stop()
 
