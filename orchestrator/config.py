@@ -128,6 +128,14 @@ class LoadBackConfig(_Section):
     # a prepared range older than this is released and asked for again, never copied: keep it
     # well under the daemon's --l1-read-ttl-seconds (300 s by default)
     prepare_max_age_ms: _ms("milliseconds, under the daemon's read-lock TTL") = 60000.0
+    # a LOOKUP's read locks older than this (from just before it was sent) are neither loaded
+    # nor freed, only forfeited: the daemon's TTL may have ended them and lent them to another
+    # reader, whose lock a late free would strip. At most 90% of that TTL (the margin covers
+    # a load started just under it, and its releases)
+    lease_max_age_ms: _ms("milliseconds, under daemon_read_ttl_s") = 240000.0
+    # the daemon's --l1-read-ttl-seconds (lmcache 0.5.6: 300, refreshed by each new lock)
+    daemon_read_ttl_s: Annotated[int, Meta(
+        ge=1, description="the daemon's --l1-read-ttl-seconds")] = 300
     model_name: str = "loadback"
     chunk_size: Annotated[int, Meta(gt=0, description="must equal the daemon's --chunk-size")] = 256
     deadlines: Deadlines = Deadlines()
@@ -302,5 +310,13 @@ def _cross_checks(c: LoadBackConfig):
            f"{d.retrieve_max_ms:g}; raise it or lower the base")
     yield ("breaker.min_calls", b.min_calls <= b.window,
            f"must be between 1 and breaker.window ({b.window}), got {b.min_calls}")
+    ttl_ms = c.daemon_read_ttl_s * 1000
+    yield ("lease_max_age_ms", c.lease_max_age_ms <= 0.9 * ttl_ms,
+           f"must stay 10% under the daemon's read TTL (daemon_read_ttl_s, "
+           f"{c.daemon_read_ttl_s}), so at most {0.9 * ttl_ms:g}, got {c.lease_max_age_ms:g}; "
+           "lower it, or set daemon_read_ttl_s to the daemon's --l1-read-ttl-seconds")
+    yield ("prepare_max_age_ms", c.prepare_max_age_ms <= c.lease_max_age_ms,
+           f"must be <= lease_max_age_ms ({c.lease_max_age_ms:g}), got "
+           f"{c.prepare_max_age_ms:g}: a prepared range holds its LOOKUP's locks")
     yield ("breaker.cooldown_max_ms", b.cooldown_max_ms >= b.cooldown_ms,
            f"must be >= breaker.cooldown_ms ({b.cooldown_ms:g}), got {b.cooldown_max_ms:g}")

@@ -1,7 +1,8 @@
 """Read locks as a type: what one LOOKUP locked on the daemon, and what we may still free.
 The daemon counts read locks per chunk, not per holder, so freeing a range this request no
 longer holds strips another reader's lock: a `Lease` answers "which range may I free now?",
-and "none" once anything may have released them daemon-side (their `Retrieval` owes that).
+and "none" once anything may have released them daemon-side (their `Retrieval` owes that, or
+the daemon's read TTL ended them: a lease past its age is forfeited, never freed).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class Lease:
     #: Only this KV rank's shard of each chunk (a TP rank after its own prepare_retrieve
     #: was asked for); otherwise every rank's, as the group's LOOKUP locked them.
     shard: bool = False
+    #: The clock of the process that sent the LOOKUP, read just before it was sent (the
+    #: daemon's TTL starts later); None where another process sent it (handed off, a TP
+    #: leader's): that one judges the age before the locks are given over.
+    taken_at: float | None = None
 
     @property
     def held(self) -> tuple[int, int] | None:
@@ -61,6 +66,11 @@ class Lease:
         if self.end <= self.start:
             self.start = self.end = 0
         return s, e
+
+    def aged(self, now: float, max_age_s: float) -> bool:
+        """Older than `max_age_s` at `now` (the same clock as `taken_at`): the daemon's read
+        TTL may end the locks (and lend them to another reader) before a free could land."""
+        return self.taken_at is not None and now - self.taken_at > max_age_s
 
     def forfeit(self) -> None:
         """A call that may consume these locks reached (or may still reach) the daemon."""

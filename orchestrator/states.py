@@ -41,6 +41,7 @@ class DegradeReason(str, enum.Enum):
     TP_PEER_FAILED = "tp_peer_failed"
     ABORTED = "aborted"         # the engine aborted the request
     UNUSED = "unused"           # the request finished without loading what was promised
+    LEASE_EXPIRED = "lease_expired"  # promised past lease_max_age_ms: the locks may be gone
     CLOSED = "closed"
 
 

@@ -36,6 +36,7 @@ class Ask:
     end: int                  # the prompt tokens the LOOKUP covers (never the whole prompt)
     deadline: float
     salt: str = ""            # vLLM's cache_salt: KV of another salt is never shared
+    asked_at: float = 0.0     # the orchestrator's clock when it was queued (its lease's age)
     tokens: int = 0           # tokens to load beyond `local` (0: recompute)
     done: bool = False
     abandoned: bool = False   # nobody reads its answer: the worker thread releases it
@@ -119,7 +120,8 @@ class SchedulerSide:
         limit = min(len(toks) - 1, num_computed_tokens + self.settings.staging_tokens)
         end = limit // self.chunk * self.chunk
         ask = self._asks.get(rid)
-        if ask is not None and (ask.local != num_computed_tokens or ask.used or ask.end != end):
+        if ask is not None and (ask.local != num_computed_tokens or ask.used or ask.end != end
+                                or self._aged(ask)):
             self._drop(rid)
             ask = None
         if end <= num_computed_tokens:
@@ -215,7 +217,8 @@ class SchedulerSide:
         attempt = self._attempts.get(rid, 0) + 1
         self._attempts[rid] = attempt
         budget = self.orch.config.deadlines.lookup_ms / 1000
-        ask = Ask(f"{rid}#ask{attempt}", local, end, time.monotonic() + budget, salt)
+        ask = Ask(f"{rid}#ask{attempt}", local, end, time.monotonic() + budget, salt,
+                  asked_at=self.orch.clock())
         self._asks[rid] = ask
         if self._q.qsize() >= MAX_QUEUED_LOOKUPS:
             ask.done = ask.released = True  # a miss, nothing taken on the daemon
@@ -252,6 +255,14 @@ class SchedulerSide:
                     self.orch.finish(ask.session)  # a miss: end the session
             except Exception:  # noqa: BLE001
                 log.exception("%s: release failed", ask.session)
+
+    def _aged(self, ask: Ask) -> bool:
+        """A hit not loaded yet whose LOOKUP is older than lease_max_age_ms: never served
+        (the daemon's read TTL may end its locks before the load, or before the worker's
+        frees); the request asks again, and the old prefix ends lease_expired, its locks
+        forfeited. Before its hand-off only: a handed-off load runs in that step."""
+        return (ask.tokens > 0 and not ask.used and not ask.released
+                and self.orch.clock() - ask.asked_at > self.orch.config.lease_max_age_ms / 1000)
 
     def _drop(self, rid: str) -> None:
         """Forget the request's ask; release what its LOOKUP holds (here, or by the worker

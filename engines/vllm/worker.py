@@ -12,6 +12,7 @@ from typing import Sequence
 import msgspec
 import torch
 
+from lmcache_loadback.engines.threads import WorkerThread
 from lmcache_loadback.orchestrator.factory import create_orchestrator
 from lmcache_loadback.orchestrator.states import DegradeReason
 
@@ -34,12 +35,7 @@ class WorkerSide:
         self.loads_done = 0
         self.stores_done = 0
         self.stores_skipped = 0
-        self._batch: list[tuple[StoreOp, int]] = []    # stores handed to the thread
-        self._idle = threading.Event()                  # the store thread has nothing to do
-        self._idle.set()
-        self._wake = threading.Event()
-        self._closing = False
-        self._thread: threading.Thread | None = None
+        self._stores: StoreThread | None = None
 
     def worker_config(self):
         """The scheduler decided whether a hit is worth loading: this side loads any hit."""
@@ -64,9 +60,7 @@ class WorkerSide:
         self.orch = orchestrator or create_orchestrator(
             self.worker_config(), layout=s.layout, kv_pool=self.view.pool,
             tp_group=tp_group if s.tp_size > 1 else None, kv_rank=rank, world_size=s.tp_size)
-        self._thread = threading.Thread(target=self._serve_stores, name="loadback-vllm-store",
-                                        daemon=True)
-        self._thread.start()
+        self._stores = StoreThread(self)
         log.info("loadback: vLLM worker registered %d KV layers (%d blocks of %d tokens, "
                  "%d heads x %d, %s), daemon %s, chunk %d, staging %d tokens", s.layout.num_layers,
                  self.view.num_blocks, s.block_size, s.layout.num_heads, s.layout.head_dim,
@@ -103,12 +97,14 @@ class WorkerSide:
                             len(op.block_ids))
                 self.orch.load_back(op.session, None, decline=DegradeReason.ALLOC_FAILED)
                 return False
-            res = self.orch.load_back(op.session, self.view.load_slots(op.block_ids, n))
+            # counted loaded only once the staged bytes are in vLLM's blocks
+            res = self.orch.load_back(
+                op.session, self.view.load_slots(op.block_ids, n),
+                land=lambda got: self.view.to_blocks(op.block_ids, n, ready=got.ready))
             if res.loaded_tokens != n:
                 log.info("%s: load failed (%s); load error, recomputed", op.session,
                          res.reason.value if res.reason else res.state)
                 return False
-            self.view.to_blocks(op.block_ids, n, ready=res.ready)
             return True
         except Exception:  # noqa: BLE001 - a load error, never an engine crash
             log.exception("%s: load failed; load error, recomputed", op.session)
@@ -127,7 +123,7 @@ class WorkerSide:
         ops = [op for rid, op in meta.stores.items() if rid not in skip]
         if not ops or self.orch is None or self.view is None:
             return
-        if not self._idle.is_set():  # the previous batch is still being stored
+        if self._stores.busy:  # the previous batch is still being stored
             self._skip(len(ops), "the previous stores are still running")
             return
         batch, base = [], self.view.store_base
@@ -145,10 +141,8 @@ class WorkerSide:
             batch.append((op, base))
             base += n
         if batch:
-            self._idle.clear()
-            self._batch = batch
             self.orch.metrics.queue_depth("store", len(batch))
-            self._wake.set()
+            self._stores.submit(batch)
 
     def _skip(self, n: int, why: str) -> None:
         self.stores_skipped += n
@@ -158,20 +152,20 @@ class WorkerSide:
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until the handed-over stores are done (tests; shutdown)."""
-        return self._idle.wait(timeout_s)
+        return self._stores is None or self._stores.idle.wait(timeout_s)
 
-    def _serve_stores(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._closing:
-                self._idle.set()
-                return
-            batch, self._batch = self._batch, []
-            for i, (op, base) in enumerate(batch):
+    def _store_batch(self, batch: list[tuple[StoreOp, int]]) -> None:
+        """The store thread: each staged store; the stores a failure outside `_store` kept
+        it from reaching are counted skipped (the thread is then replaced: StoreThread)."""
+        done = 0
+        try:
+            for op, base in batch:
                 self._store(op, base)
-                self.orch.metrics.queue_depth("store", len(batch) - i - 1)
-            self._idle.set()
+                done += 1
+                self.orch.metrics.queue_depth("store", len(batch) - done)
+        finally:
+            if done < len(batch):
+                self._skip(len(batch) - done, "the store thread failed before them")
 
     def _store(self, op: StoreOp, base: int) -> bool:
         n = len(op.token_ids)
@@ -193,10 +187,41 @@ class WorkerSide:
             log.exception("%s: finish failed", session)
 
     def close(self) -> None:
-        if self._thread is not None:
+        if self._stores is not None:
             self.drain(self.settings.config.deadlines.store_ms / 1000 + 1.0)
-            self._closing = True
-            self._wake.set()
-            self._thread.join(timeout=5)
+            self._stores.close()
         if self.orch is not None:
             self.orch.close()
+
+
+class StoreThread(WorkerThread):
+    """`loadback-vllm-store`: stores one staged batch at a time off the forward loop. The
+    forward loop (`save`) submits and reads `busy`; this thread runs `_serve`. One that died
+    is replaced, counted and logged where the next batch is submitted (WorkerThread)."""
+
+    name = "loadback-vllm-store"
+    queue = "store"
+
+    def __init__(self, side: WorkerSide) -> None:
+        self._side = side
+        self.idle = threading.Event()  # no batch is held: the store region may be reused
+        self.idle.set()
+        super().__init__(side.orch, max_queued=1)
+
+    @property
+    def busy(self) -> bool:
+        return not self.idle.is_set()
+
+    def submit(self, batch: list[tuple[StoreOp, int]]) -> None:
+        self.idle.clear()
+        self._queue(batch)
+
+    def _export_depth(self) -> None:
+        pass  # WorkerSide exports the stores of the batch left, not batches
+
+    def _serve(self, batch: list[tuple[StoreOp, int]]) -> None:
+        try:
+            self._side._store_batch(batch)
+        finally:
+            self._completed()
+            self.idle.set()
