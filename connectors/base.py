@@ -139,8 +139,9 @@ class Connector(Protocol):
         prepared range's own): the caller pays it off the request path."""
 
     def store_from(self, token_ids: Sequence[int], request_id: str, pool, slots: torch.Tensor,
-                   *, timeout_s: float, cache_salt: str = "") -> bool:
-        """Store the whole chunks of `token_ids` from `slots`."""
+                   *, timeout_s: float, cache_salt: str = "", on_owed=None) -> bool:
+        """Store the whole chunks of `token_ids` from `slots`. `on_owed(store)`: what a
+        store that raised still owes the daemon (connectors/store.py), before the raise."""
 
     def end_session(self, request_id: str, timeout_s: float) -> None:
         """finish()/abort(): drop the daemon's session for `request_id`."""

@@ -148,12 +148,13 @@ class LMCacheMPConnector(LookupCalls, RetrieveCalls, StoreCalls, SegmentMapping)
     # -- plain operations ------------------------------------------------------
 
     def _call(self, op: str, payloads: Sequence[object], timeout_s: float, *,
-              request_id: str | None = None):
+              request_id: str | None = None, on_late=None):
         fence = None
         if wire.OP_PLACES.get(op) == "affinity" and request_id is not None:
             fence = self._affinity_fence(request_id)
+        late = {} if on_late is None else {"on_late": on_late}  # a late answer's taker
         frame = self.transport.call(op, [wire.encode(p) for p in payloads], timeout_s,
-                                    request_id=request_id, fence=fence)
+                                    request_id=request_id, fence=fence, **late)
         decoder = wire.DECODERS.get(op)
         if frame is None or decoder is None:
             return None

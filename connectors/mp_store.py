@@ -4,15 +4,16 @@ engine's slots (into the daemon's segment, or pickled), commit_store."""
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from . import wire
-from .errors import ProtocolError
+from .errors import DaemonTimeout, ProtocolError
 from .gpu_transfer import on_cuda
 from .kv_layout import KVPool, check_slots, gather_chunks
 from .safe_decode import dump_tensor_list
+from .store import Store
 
 
 class StoreCalls:
@@ -27,10 +28,17 @@ class StoreCalls:
         *,
         timeout_s: float,
         cache_salt: str = "",
+        on_owed: Callable[[Store], None] | None = None,
     ) -> bool:
         """STORE the whole chunks of `token_ids`, whose KV sits in `slots`. A rank that is not
         the writer (`writer` False: TP-replicated MLA, where rank 0 stores the one copy)
-        answers True without calling the daemon."""
+        answers True without calling the daemon.
+
+        Shared memory: a prepare_store that timed out may still reserve slots, write-locked
+        until a commit publishes what they hold. Before raising, the store keeps a host copy
+        of its chunks for `on_owed`'s `Store`, whose `complete` writes it there and commits
+        (no `on_owed`: left to the daemon's write TTL). Slots whose copy raised are never
+        committed: their garbage would be published under the real keys."""
         deadline = time.monotonic() + timeout_s
         end = self.aligned(len(token_ids))
         if end == 0 or not self.writer:
@@ -39,8 +47,17 @@ class StoreCalls:
         self._check_pickle_size(end)
         key = self.key(token_ids, request_id, end=end, cache_salt=cache_salt)
         epoch = self.epoch  # the mapping must be the one of the daemon that answers
-        prep = self._call("prepare_store", [key, self.instance_id], timeout_s,
-                          request_id=request_id)
+        late = Store(epoch, key) if self.transfer == "shm" else None
+        try:
+            prep = self._call("prepare_store", [key, self.instance_id], timeout_s,
+                              request_id=request_id,
+                              on_late=None if late is None else late.answered)
+        except DaemonTimeout:
+            if late is not None:
+                late.kept, late.finish = self._host_chunks(pool, slots, end), self._finish_late
+                if on_owed is not None:
+                    on_owed(late)
+            raise
         left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
         if self.transfer == "shm":
             ctx = prep.context if prep is not None else wire.ShmContext()
@@ -59,11 +76,25 @@ class StoreCalls:
             del views
             return bool(self._call("commit_store", [key, self.instance_id, b""], left(),
                                    request_id=request_id))
-        if on_cuda(pool):  # our own host copies: the pinned staging went back to the ring
-            chunks = self._gpu_for(pool).store(self.layout, pool, slots,
-                                               range(end // self.chunk_size), out=None)
-        else:
-            chunks = gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots)
-        data = dump_tensor_list(chunks)
+        data = dump_tensor_list(self._host_chunks(pool, slots, end))
         return bool(self._call("commit_store", [key, self.instance_id, data], left(),
                                request_id=request_id))
+
+    def _host_chunks(self, pool: KVPool, slots: torch.Tensor, end: int) -> list[torch.Tensor]:
+        """Host copies of the chunks of tokens [0, end) in `slots`."""
+        if on_cuda(pool):  # our own host copies: the pinned staging went back to the ring
+            return self._gpu_for(pool).store(self.layout, pool, slots,
+                                             range(end // self.chunk_size), out=None)
+        return gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots)
+
+    def _finish_late(self, late: Store, ctx: wire.ShmContext, timeout_s: float) -> None:
+        """Write what `late` kept into the slots its late prepare_store reserved, then commit
+        them: the reservation ends with the bytes it was made for."""
+        if len(ctx.slots) != len(ctx.chunk_indices):
+            raise ProtocolError("prepare_store: slots and chunk_indices differ in length")
+        shm = self._mapping(late.epoch)
+        for slot, i in zip(ctx.slots, ctx.chunk_indices):
+            shm.view(slot, self.layout).copy_(late.kept[i])
+        # Answered, it is settled: False only says the reservation was gone (its TTL).
+        self._call("commit_store", [late.key, self.instance_id, b""], timeout_s,
+                   request_id=late.key.request_id)

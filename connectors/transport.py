@@ -13,7 +13,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgspec
 import zmq
@@ -39,8 +39,7 @@ _REFENCE_MAX_S = 2.0
 MAX_RETIRED = 64
 
 #: The fence sent behind an abandoned request, by the place the daemon serves it in.
-#: "affinity" has no request without a key: the caller passes that fence. "cpu" proves
-#: anything only on a daemon with one CPU worker (the daemon link refuses one with more).
+#: "affinity" has no request without a key: the caller passes that fence.
 _PLACE_FENCES: dict[str, tuple[str, list[bytes]]] = {
     "inline": ("noop", []),
     "cpu": ("ping", [msgspec.msgpack.encode(None)]),
@@ -59,6 +58,7 @@ class _Retired:
     fence: tuple[str, list[bytes]] | None
     fences: set[int] = field(default_factory=set)
     fenced_at: float = 0.0
+    late: dict[int, Callable[[bytes | None], None]] = field(default_factory=dict)  # on_late
     refence_s: float = _REFENCE_MIN_S / 2
 
 
@@ -147,13 +147,13 @@ class ZmqTransport:
         self._local.sock = None
 
     def _retire(self, sock: zmq.Socket, uid: int, request_id: str | None,
-                fence: tuple[str, list[bytes]] | None, epoch: int) -> None:
+                fence: tuple[str, list[bytes]] | None, epoch: int, on_late=None) -> None:
         """Keep this thread's timed-out socket, with a fence behind the abandoned call."""
         with self._lock:
             self._sockets.pop(threading.get_ident(), None)
             self.sockets_replaced += 1
         self._local.sock = None
-        r = _Retired(sock, epoch, {uid: request_id}, request_id, fence)
+        r = _Retired(sock, epoch, {uid: request_id}, request_id, fence, late={uid: on_late})
         with self._retired_lock:
             self._send_fence(r, time.monotonic())
             self._retired.append(r)
@@ -196,6 +196,8 @@ class ZmqTransport:
                         r.fences = {u for u in r.fences if u > reply_uid}
                     elif r.pending.pop(reply_uid, False) is not False:
                         self.late_replies += 1
+                        if r.late.get(reply_uid):  # its caller takes the late answer
+                            r.late[reply_uid](bytes(reply[2].buffer) if len(reply) > 2 else None)
                 if r.pending:
                     if now - r.fenced_at >= r.refence_s:
                         self._send_fence(r, now)
@@ -236,6 +238,7 @@ class ZmqTransport:
     def call(
         self, op: str, payloads: Sequence[bytes], timeout_s: float, *, probe: bool = False,
         request_id: str | None = None, fence: tuple[str, list[bytes]] | None = None,
+        on_late: Callable[[bytes | None], None] | None = None,
     ) -> memoryview | None:
         """Send `op` and wait at most `timeout_s` for its reply.
 
@@ -250,7 +253,7 @@ class ZmqTransport:
         `request_id`: the request `op` acts for, counted by `unanswered()` while it waits
         and, when it times out, until the daemon is proven to have served or dropped it. `fence`: (op, payloads) sent behind it then, served in the same place as `op`
         (default: by `wire.OP_PLACES`; the caller must pass one for "affinity" ops).
-        """
+        `on_late` takes the result frame of a reply that comes after a timeout (never blocks)."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         self.epoch  # reads the monitor's events: a disconnect after this one loses the reply
         seen = self._disconnects
@@ -264,12 +267,12 @@ class ZmqTransport:
             self._send(sock, op, [msgspec.msgpack.encode(uid), op_frame, *payloads], deadline,
                        timeout_s)
             return self._await(sock, op, op_frame, uid, request_id, fence, probe, deadline,
-                               timeout_s, seen)
+                               timeout_s, seen, on_late)
         finally:
             del self._in_flight[uid]
 
     def _await(self, sock, op, op_frame, uid, request_id, fence, probe, deadline, timeout_s,
-               seen):
+               seen, on_late=None):
         """Wait for `uid`'s reply on `sock` (see call)."""
         probe_uid = None
         if probe:
@@ -293,7 +296,7 @@ class ZmqTransport:
                 if fence is None:
                     fence = _PLACE_FENCES.get(OP_PLACES.get(op, ""))
                 # Retired before it leaves _in_flight: never uncounted in between.
-                self._retire(sock, uid, request_id, fence, self.epoch)
+                self._retire(sock, uid, request_id, fence, self.epoch, on_late)
                 if lost:  # it may have been served: a timeout, not "never sent"
                     raise DaemonTimeout(op, timeout_s - (deadline - now),
                                         "the daemon disconnected before answering")

@@ -19,7 +19,8 @@ LOOKUP_RESULTS: tuple[str, ...] = ("hit", "miss", "error", "skipped")
 BREAKER_STATES: dict[str, int] = {"closed": 0, "half_open": 1, "open": 2}
 TRANSFER_MODES: tuple[str, ...] = ("shm", "pickle")
 #: The releases the daemon can be owed (the `what` of loadback_releases_failed_total).
-RELEASES: tuple[str, ...] = ("free_locks", "abandon_lookup", "commit_retrieve", "end_session")
+RELEASES: tuple[str, ...] = ("free_locks", "abandon_lookup", "commit_retrieve", "end_session",
+                             "commit_store")
 OUTCOME_STATES: tuple[str, ...] = ("loaded", "degraded")
 LOADED_REASON = "none"
 #: The hook's store worker bound (`StoreWorker.max_queued`), the store queue limit gauge's

@@ -212,7 +212,8 @@ class InMemoryConnector:
         self.pins[request_id] -= 1
         return True
 
-    def store_from(self, token_ids, request_id, pool, slots, *, timeout_s, cache_salt=""):
+    def store_from(self, token_ids, request_id, pool, slots, *, timeout_s, cache_salt="",
+                   on_owed=None):
         self._maybe_fail("store")
         end = len(token_ids) // self.chunk_size * self.chunk_size
         chunks = gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots[:end])

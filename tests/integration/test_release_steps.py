@@ -34,19 +34,20 @@ pytestmark = [pytest.mark.daemon, pytest.mark.timeout(180)]
 HELD = ("read_locks", "write_locks", "sessions", "prefetch_jobs")
 
 
-def _stop_at_first_commit(orch, d) -> threading.Event:
-    """SIGSTOP the daemon just before the first commit_retrieve goes out; the event is set
-    once that commit timed out."""
+def stop_at_first(orch, d, op: str) -> threading.Event:
+    """SIGSTOP the daemon just before the connector's first `op` call goes out; the event is
+    set once that call timed out."""
     timed_out = threading.Event()
     real = orch.connector._call
+    stopped: list[str] = []
 
-    def call(op, *a, **k):
-        if op != "commit_retrieve" or timed_out.is_set() or getattr(call, "stopped", False):
-            return real(op, *a, **k)
-        call.stopped = True
+    def call(name, *a, **k):
+        if name != op or stopped:
+            return real(name, *a, **k)
+        stopped.append(name)
         d.pause()
         try:
-            return real(op, *a, **k)
+            return real(name, *a, **k)
         except DaemonTimeout:
             timed_out.set()
             raise
@@ -69,7 +70,7 @@ def test_a_release_step_that_times_out_leaves_nothing_held_once_debts_are_paid(
         m = orch.match("r", toks)
         assert m.tokens == len(toks)
         seen = _stop_before_prepare(orch, d, "_prepare_range", on_call=3)
-        timed_out = _stop_at_first_commit(orch, d)
+        timed_out = stop_at_first(orch, d, "commit_retrieve")
         try:
             res = orch.load_back("r", torch.arange(1024, 1024 + m.tokens))
         finally:
