@@ -39,7 +39,8 @@ _REFENCE_MAX_S = 2.0
 MAX_RETIRED = 64
 
 #: The fence sent behind an abandoned request, by the place the daemon serves it in.
-#: "affinity" has no request without a key: the caller passes that fence.
+#: "affinity" has no request without a key: the caller passes that fence. "cpu" proves
+#: anything only on a daemon with one CPU worker (the daemon link refuses one with more).
 _PLACE_FENCES: dict[str, tuple[str, list[bytes]]] = {
     "inline": ("noop", []),
     "cpu": ("ping", [msgspec.msgpack.encode(None)]),

@@ -126,6 +126,7 @@ class PrefixCalls:
         "not sent" may leave a LOOKUP running: it is abandoned off the request path (its
         result waited for, what it locked released) and never overlapped by another."""
         k = p.key
+        sent = self.clock()  # the lease's age counts from before the daemon locked anything
         try:
             hit = self.connector.lookup_hit_tokens(k.token_ids, k.request_id, timeout_s,
                                                    cache_salt=k.cache_salt)
@@ -224,6 +225,17 @@ class PrefixCalls:
         self.breaker.record(True)
         return True, None
 
+    def lease_expired(self, p: Prefix) -> bool:
+        """The prefix's LOOKUP is older than lease_max_age_ms (kept under the daemon's read
+        TTL): what it still holds is forfeited, counted once, never freed (a late free would
+        strip a newer reader's lock); the caller does not use it either."""
+        if not p.lease.aged(self.clock(), self.link.config.lease_max_age_ms / 1000):
+            return False
+        if p.lease.held is not None:
+            p.lease.forfeit()
+            self.metrics.lease_expired()
+        return True
+
     def drop_prepared(self, p: Prefix) -> None:
         """The prefix ends without loading what it prepared: release it on the daemon."""
         prepared, p.prepared = p.prepared, None
@@ -310,7 +322,8 @@ class PrefixCalls:
         here each rank answers for its own shard of [retrieve_from, hit) (the leader's
         LOOKUP locked every rank's; until now the leader held them all)."""
         if self.sharded and not p.lease.shard:
-            p.lease = Lease(p.key, p.epoch, p.retrieve_from, p.hit_tokens, shard=True)
+            p.lease = Lease(p.key, p.epoch, p.retrieve_from, p.hit_tokens, shard=True,
+                            taken_at=p.lease.taken_at)
             if self.touch is not None:
                 self.touch(p.request_id, p.epoch)
 

@@ -127,8 +127,10 @@ class LoadBackOrchestrator(HandOff):
         answer from the marker."""
         with self._lock:
             p = self._live.get(request_id)
-            if p is not None:
-                return p.match_result()
+        if p is not None:
+            if p.state == PrefixState.MARKED.value and self.calls.lease_expired(p):
+                self._finish_degraded(p, DegradeReason.LEASE_EXPIRED)
+            return p.match_result()
         chunk = self.connector.chunk_size
         aligned = len(token_ids) // chunk * chunk
         if aligned - local_hit_tokens < max(1, self.config.break_even.min_tokens):
@@ -210,6 +212,7 @@ class LoadBackOrchestrator(HandOff):
         local = (decline if decline is not None
                  else DegradeReason.ALLOC_FAILED if no_slots
                  else DegradeReason.BAD_SLOTS if len(slots) != n
+                 else DegradeReason.LEASE_EXPIRED if self.calls.lease_expired(p)
                  else DegradeReason.DAEMON_RESTARTED if self.connector.epoch != p.epoch
                  else DegradeReason.BREAKER_OPEN if not self.breaker.allow() else None)
         if not self.tp.min(int(local is None)):
@@ -222,15 +225,15 @@ class LoadBackOrchestrator(HandOff):
         self._fire(p, "start_retrieve")
         got, reason, bad = self.calls.retrieve(p, slots, self.config.deadlines.retrieve_s(n),
                                                on_retry=lambda: self._fire(p, "retry"))
-        ok = self.tp.min(int(reason is None))
-        self.metrics.observe_retrieve(self.clock() - start)
-        if ok:
         if reason is None and land is not None:
             try:
                 land(got)
             except Exception:  # noqa: BLE001 - the engine recomputes, never crashes
                 log.exception("%s: the load landed but the engine could not take it", request_id)
                 reason = DegradeReason.ALLOC_FAILED
+        ok = self.tp.min(int(reason is None))
+        self.metrics.observe_retrieve(self.clock() - start)
+        if ok:
             self.break_even.observe(got.nbytes, self.clock() - start)
             self._fire(p, "land")
             self._record_outcome(p, loaded_bytes=got.nbytes)
@@ -367,6 +370,8 @@ class LoadBackOrchestrator(HandOff):
                 self.metrics.live_delta(dst, +1)
 
     def _finish_degraded(self, p: Prefix, reason: DegradeReason) -> None:
+        if self.calls.lease_expired(p) and p.state == PrefixState.MARKED.value:
+            reason = DegradeReason.LEASE_EXPIRED  # its promise lapsed before the engine ended it
         self.calls.drop_prepared(p)
         held = p.lease.held
         if held:
