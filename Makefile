@@ -68,16 +68,16 @@ vllm-env: .venv-vllm/.installed
 ENGINE ?= sglang
 demo: $(if $(filter vllm,$(ENGINE)),.venv-vllm/.installed,.venv-sglang-0.5.23/.installed)
 ifeq ($(ENGINE),vllm)
-	.venv-vllm/bin/python -m lmcache_loadback.harness.vllm.demo $(if $(DEMO_JSON),--json $(DEMO_JSON))
+	.venv-vllm/bin/loadback demo --engine vllm $(if $(DEMO_JSON),--json $(DEMO_JSON))
 else ifeq ($(ENGINE),sglang)
-	.venv-sglang-0.5.23/bin/loadback sglang-demo $(if $(DEMO_JSON),--json $(DEMO_JSON))
+	.venv-sglang-0.5.23/bin/loadback demo --engine sglang $(if $(DEMO_JSON),--json $(DEMO_JSON))
 else
 	@echo "ENGINE must be sglang or vllm, got '$(ENGINE)'" >&2; exit 64
 endif
 
 # The simulated-engine demo: the orchestrator alone against a real daemon.
 demo-sim: venv
-	$(BIN)/loadback demo
+	$(BIN)/loadback demo --engine sim
 
 # Prometheus and promtool for tests/integration/test_prometheus.py: installed here, once,
 # only when missing (Debian's package), never from inside a test.

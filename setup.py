@@ -1,7 +1,7 @@
 """Build hook: every source folder installs under the one import name `lmcache_loadback`.
 
 The repository keeps one folder per part (orchestrator/, connectors/, metrics/, engines/,
-harness/, testing/); installed, each is `lmcache_loadback.<folder>`, so no generic top-level
+harness/, testing/, cli/); installed, each is `lmcache_loadback.<folder>`, so no generic top-level
 name (`orchestrator`, `metrics`, ...) can collide with another distribution's. configs/
 stays the one hand-edited copy and ships inside the package as
 `lmcache_loadback/orchestrator/configs` (orchestrator.resources.configs_dir).
@@ -15,7 +15,7 @@ from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 NAME = "lmcache_loadback"
-FOLDERS = ("orchestrator", "connectors", "metrics", "engines", "harness", "testing")
+FOLDERS = ("orchestrator", "connectors", "metrics", "engines", "harness", "testing", "cli")
 CONFIGS = ROOT / "configs"
 
 packages, package_dir = [], {}

@@ -1,6 +1,6 @@
 """The load-back orchestrator: state machine, two-phase protocol, policies.
 
-The public names are imported on first use (PEP 562), so that `import orchestrator.cli` or
+The public names are imported on first use (PEP 562), so that `import orchestrator.commands` or
 `orchestrator.config` does not import torch through `orchestrator.core`: `loadback --help`,
 `--version` and `config validate` stay light.
 """

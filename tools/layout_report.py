@@ -5,14 +5,16 @@ imports whom between the top-level packages.
 
 ROOT (default: the checkout this file lives in) is a repository root. Its packages are the
 top-level folders that hold .py files, apart from tests/, tools/, hidden folders, virtual
-environments and build output: orchestrator, connectors, metrics, engines, harness and
-testing today; an older tree (the SGLang hook in orchestrator/hook, the harness in
+environments and build output: orchestrator, connectors, metrics, engines, harness,
+testing and cli today; an older tree (the SGLang hook in orchestrator/hook, the harness in
 orchestrator/tools) is read the same way, its sub-folders shown under their package.
 
 Imports are read with `ast` from every import statement, including those inside functions
 (counted apart as "lazy"): `lmcache_loadback.X...` (the installed name), relative imports
 resolved against the module's own folder, and plain `X...` where X is one of the packages
 (the layout before the one import name). Only edges between two different packages count.
+Imports by name are counted apart: any string that is a module name under the import name
+(`"lmcache_loadback.X..."`, an f-string's literal head too), and `import_module("X...")`.
 
 `--check` exits 1 listing every module over --max-module-lines (400) and every function
 over --max-function-lines (60), else 0. A function's size runs from its `def` line to its
@@ -34,7 +36,7 @@ from pathlib import Path
 
 IMPORT_NAME = "lmcache_loadback"
 #: The packages in the order the report lists them; any other package follows, sorted.
-KNOWN_ORDER = ("orchestrator", "connectors", "metrics", "engines", "harness", "testing")
+KNOWN_ORDER = ("orchestrator", "connectors", "metrics", "engines", "harness", "testing", "cli")
 #: Top-level folders that are never product packages.
 EXCLUDED = frozenset({"tests", "tools", "build", "dist", "docs", "node_modules", "__pycache__"})
 MAX_MODULE_LINES = 400
@@ -189,9 +191,23 @@ class _Reader(ast.NodeVisitor):
         if target in self.packages and target != self.package_parts[0]:
             self.imports.append((target, self.depth > 0))
 
+    def _named(self, target: str) -> None:
+        if target in self.packages and target != self.package_parts[0]:
+            self.by_name.append(target)
+
+    def visit_Constant(self, node: ast.Constant) -> None:
+        """A string that is a module name under the import name, wherever it stands: handed
+        to a call (`_run_tool("lmcache_loadback.harness.demo")`), kept in a table
+        (`{"sim": "lmcache_loadback.harness.demo"}`) or an f-string's literal head."""
+        text = node.value
+        if isinstance(text, str) and _DOTTED.match(text):
+            parts = text.split(".")
+            if parts[0] == IMPORT_NAME and len(parts) > 1 and parts[1]:
+                self._named(parts[1])
+
     def visit_Call(self, node: ast.Call) -> None:
-        """`import_module("lmcache_loadback.X...")`, or such a name handed to any call
-        (`_run_tool("lmcache_loadback.harness.demo")`, an f-string's literal head)."""
+        """`import_module("X...")` with X one of the packages (the layout before the one
+        import name); names under the import name are read as constants."""
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
         for arg in node.args[:1]:
@@ -201,17 +217,9 @@ class _Reader(ast.NodeVisitor):
             elif (isinstance(arg, ast.JoinedStr) and arg.values
                   and isinstance(arg.values[0], ast.Constant)):
                 text = str(arg.values[0].value)
-            if text is None or not _DOTTED.match(text):
-                continue
-            parts = text.split(".")
-            if parts[0] == IMPORT_NAME and len(parts) > 1:
-                target = parts[1]
-            elif name == "import_module":
-                target = parts[0]
-            else:
-                continue
-            if target in self.packages and target != self.package_parts[0]:
-                self.by_name.append(target)
+            if name == "import_module" and text and _DOTTED.match(text) \
+                    and text.split(".")[0] != IMPORT_NAME:
+                self._named(text.split(".")[0])
         self.generic_visit(node)
 
     def _absolute(self, parts: list[str], names: list[str]) -> None:

@@ -36,7 +36,7 @@ wait "$build"
 echo "[$(( $(t) - T0 )) s] cuda_ops rc=$?: $(tail -1 "$OUT/build.log")"
 rc_bench=0
 if [[ " $STEPS " == *" bench "* ]]; then
-    python3 -m lmcache_loadback.orchestrator.cli bench gpu --json "$OUT/gpu.json" ${BENCH_ARGS:-} 2>&1 \
+    python3 -m lmcache_loadback.cli bench gpu --json "$OUT/gpu.json" ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench.log"
     rc_bench=${PIPESTATUS[0]}
     echo "[$(( $(t) - T0 )) s] bench rc=$rc_bench"

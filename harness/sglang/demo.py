@@ -20,7 +20,6 @@ from pathlib import Path
 from lmcache_loadback.testing.daemon import DaemonProcess
 
 from lmcache_loadback.harness.bench.common import median, percentile
-from lmcache_loadback.orchestrator.cli import SGLANG_DEMO_SIDES as SIDES
 from lmcache_loadback.orchestrator.exit_codes import EXIT_UNAVAILABLE, EXIT_USAGE
 from .server import (PROBE_DIR, STUBS_DIR, Generation, SGLangServer,
                             write_loadback_yaml, write_upstream_yaml)
@@ -31,6 +30,8 @@ NEW_TOKENS = 8
 MAX_TOTAL_TOKENS = 1024  # the device KV pool: 6 prompts fit, the pool below does not
 POOL = 8
 KILL_AT, RESTART_AT = 0.35, 0.55
+#: `--sides`: the backends it can run, in the order it runs them
+SIDES = ("ours", "upstream")
 
 
 def _prompt(i: int) -> list[int]:

@@ -168,21 +168,27 @@ def main(argv: list[str] | None = None) -> int:
     """The sides run one after the other: two servers on two cores would measure each other."""
     ap = argparse.ArgumentParser(prog="python -m lmcache_loadback.harness.vllm.demo",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration", type=float, default=40.0, help="seconds of traffic per side")
+    ap.add_argument("--duration", dest="duration_s", type=float, default=40.0,
+                    help="seconds of traffic per side")
     ap.add_argument("--sides", default=",".join(SIDES), help="comma list of " + ", ".join(SIDES))
     ap.add_argument("--json", help="also write the table as JSON to this file")
     args = ap.parse_args(argv)
-    sides = [s for s in args.sides.split(",") if s]
-    bad = [s for s in sides if s not in SIDES]
+    bad = [s for s in args.sides.split(",") if s and s not in SIDES]
     if bad:
         ap.error(f"unknown side(s) {bad}; choose from {SIDES}")
+    return run(args)
+
+
+def run(args) -> int:
+    """`loadback demo --engine vllm` (which checked the sides): args.duration_s, .sides, .json."""
+    sides = [s for s in args.sides.split(",") if s]
     work = Path(tempfile.mkdtemp(prefix="loadback-vllm-demo-"))
     summaries = {}
     for side in sides:
-        print(f"{side}: starting vLLM and a daemon, {args.duration:.0f} s of traffic "
+        print(f"{side}: starting vLLM and a daemon, {args.duration_s:.0f} s of traffic "
               f"(daemon killed at {KILL_AT:.0%}, restarted at {RESTART_AT:.0%}); logs in "
               f"{work / side}", flush=True)
-        summaries[side] = run_side(side, duration_s=args.duration, work=work / side).summary()
+        summaries[side] = run_side(side, duration_s=args.duration_s, work=work / side).summary()
     print_table(summaries)
     if args.json:
         Path(args.json).write_text(json.dumps(summaries, indent=1))

@@ -27,7 +27,7 @@ ENV = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
 
 def loadback(*argv: str) -> subprocess.CompletedProcess:
     """The real command, as an operator runs it."""
-    return subprocess.run([sys.executable, "-m", "lmcache_loadback.orchestrator.cli", *argv], cwd=ROOT, env=ENV,
+    return subprocess.run([sys.executable, "-m", "lmcache_loadback.cli", *argv], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=60)
 
 

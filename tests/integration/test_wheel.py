@@ -21,7 +21,7 @@ from lmcache_loadback.connectors.telemetry import QUIET_TELEMETRY
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "orchestrator", "connectors",
-           "metrics", "engines", "harness", "testing", "configs")
+           "metrics", "engines", "harness", "testing", "cli", "configs")
 CFG = "lmcache_loadback/orchestrator/configs/"
 
 pytestmark = [pytest.mark.timeout(400)]
@@ -89,9 +89,12 @@ def test_wheel_ships_the_configs_and_the_console_script(installed):
               "harness/sglang/stubs/vllm/_custom_ops.py",
               "harness/sglang/probe/loadback_sched_probe.py", "harness/bench/results/gpu.json"):
         assert "lmcache_loadback/" + f in names, f
+    for f in ("__init__.py", "__main__.py", "demo.py"):  # the CLI: a package of its own
+        assert "lmcache_loadback/cli/" + f in names, f
+    assert not any(n.startswith("lmcache_loadback/orchestrator/cli") for n in names)
     (eps,) = [n for n in names if n.endswith(".dist-info/entry_points.txt") and n.count("/") == 1]
     eps_text = zipfile.ZipFile(wheel).read(eps).decode()
-    assert "loadback = lmcache_loadback.orchestrator.cli:main" in eps_text
+    assert "loadback = lmcache_loadback.cli:main" in eps_text
     assert "loadback = lmcache_loadback.engines.sglang:register" in eps_text
 
 
@@ -101,9 +104,11 @@ def test_product_runs_from_the_wheel_not_the_checkout(installed):
     assert r.returncode == 0 and r.stdout.startswith("stateDiagram-v2"), r.stderr
     code = ("import lmcache_loadback.orchestrator as o, lmcache_loadback.connectors as c, "
             "lmcache_loadback.metrics as m, lmcache_loadback.engines.sglang as e, "
+            "lmcache_loadback.cli as cli, "
             "lmcache_loadback.harness.sglang.server as s, "
             "lmcache_loadback.orchestrator.resources as res; "
-            "print(o.__file__, c.__file__, m.__file__, e.__file__, s.TINY_MODEL_DIR, "
+            "print(o.__file__, c.__file__, m.__file__, e.__file__, cli.__file__, "
+            "s.TINY_MODEL_DIR, "
             "res.configs_dir())")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([str(site.parents[2] / "bin" / "python"), "-c", code],
@@ -120,6 +125,13 @@ def test_version_is_the_wheels_metadata(installed):
     assert r.stdout == f"loadback {wheel.name.split('-')[1]}\n"  # lmcache_loadback-V-...whl
     r = _loadback(installed, "--help")
     assert r.returncode == 0 and "chaos" in r.stdout and "sglang-demo" in r.stdout, r.stderr
+
+
+def test_console_script_runs_the_demo_verb(installed):
+    r = _loadback(installed, "demo", "--help")
+    assert r.returncode == 0 and "--engine {sglang,vllm,sim}" in r.stdout, r.stderr
+    r = _loadback(installed, "demo", "--engine", "bogus")
+    assert r.returncode == 64 and "(choose from 'sglang', 'vllm', 'sim')" in r.stderr, r.stderr
 
 
 def test_configs_export_then_validate_from_any_directory(installed):

@@ -50,7 +50,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from lmcache_loadback.orchestrator.cli import main  # noqa: E402
+from lmcache_loadback.cli import main  # noqa: E402
 from lmcache_loadback.harness.bench import gpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def test_bench_gpu_without_cuda_exits_1_with_one_line(monkeypatch, capsys):
 
 def test_bench_gpu_console_exit_code_on_a_host_without_cuda():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
-    r = subprocess.run([sys.executable, "-m", "lmcache_loadback.orchestrator.cli", "bench", "gpu"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "lmcache_loadback.cli", "bench", "gpu"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr[-2000:]
     assert r.stderr.strip().splitlines() == [gpu.NO_CUDA]

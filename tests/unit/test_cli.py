@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_loadback.orchestrator.cli import main
+from lmcache_loadback.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def test_usage_errors_exit_64_not_the_invalid_config_code(capsys, argv):
 
 
 def test_usage_error_exits_64_from_the_console_entry(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "lmcache_loadback.orchestrator.cli", "config", "validate"],
+    r = subprocess.run([sys.executable, "-m", "lmcache_loadback.cli", "config", "validate"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 64 and "the following arguments are required: file" in r.stderr
 
@@ -73,7 +73,7 @@ import re  # noqa: E402
 
 import yaml  # noqa: E402
 
-from lmcache_loadback.orchestrator import cli  # noqa: E402
+from lmcache_loadback import cli  # noqa: E402
 
 ENV = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
 
@@ -151,7 +151,7 @@ def test_bad_values_exit_64_before_running_anything(capsys, argv):
 
 
 def test_version_is_the_installed_distributions():
-    r = subprocess.run([sys.executable, "-m", "lmcache_loadback.orchestrator.cli", "--version"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "lmcache_loadback.cli", "--version"], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"loadback {importlib.metadata.version('lmcache-loadback')}\n"
@@ -159,7 +159,7 @@ def test_version_is_the_installed_distributions():
 
 LIGHT = """
 import sys
-from lmcache_loadback.orchestrator.cli import main
+from lmcache_loadback.cli import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as exc:
@@ -213,3 +213,75 @@ def test_validate_says_the_vllm_connector_reads_lmcache_mp_host_and_port(capsys,
     for row in rows:
         assert "nor this product" not in row and "kv_connector_extra_config" in row, row
         assert "LoadBackConnector" in row, row
+
+
+# --- one demo verb: demo --engine sglang|vllm|sim, sglang-demo its alias ---
+
+def test_demo_engine_outside_the_choices_exits_64_naming_them(capsys):
+    code, _, err = run(capsys, "demo", "--engine", "bogus")
+    line = err.strip().splitlines()[-1]
+    assert code == 64 and "--engine" in line and "'bogus'" in line, err
+    for engine in ("sglang", "vllm", "sim"):
+        assert f"'{engine}'" in line, line
+
+
+def test_demo_refuses_what_its_engine_does_not_take(capsys):
+    code, _, err = run(capsys, "demo", "--engine", "vllm", "--requests", "3")
+    assert code == 64 and "--requests applies to --engine sim only" in err, err
+    code, _, err = run(capsys, "sglang-demo", "--duration-s", "5", "--requests", "3")
+    assert code == 64 and "--requests applies to --engine sim only" in err, err
+    code, _, err = run(capsys, "demo", "--engine", "vllm", "--sides", "ours")
+    assert code == 64 and "loadback,upstream" in err and "usage: loadback demo" in err, err
+
+
+class _Demo:
+    """Stands for an engine's harness demo: records what the verb hands its run()."""
+
+    def __init__(self, sides=()):
+        self.SIDES = sides
+        self.args = None
+
+    def run(self, args):
+        self.args = args
+        return 0
+
+
+@pytest.mark.parametrize("argv, module, expected", [
+    (["demo"], "lmcache_loadback.harness.demo", {"requests": 800, "interval_ms": 50.0}),
+    (["demo", "--engine", "sim", "--requests", "5"], "lmcache_loadback.harness.demo",
+     {"requests": 5}),
+    (["demo", "--engine", "sglang"], "lmcache_loadback.harness.sglang.demo",
+     {"duration_s": 60.0, "interval_ms": 1000.0, "deadline_s": 10.0, "mq_timeout_s": 3.0,
+      "sides": "ours,upstream", "probe": False, "sglang_python": None}),
+    (["sglang-demo", "--sides", "ours", "--probe"], "lmcache_loadback.harness.sglang.demo",
+     {"sides": "ours", "probe": True, "interval_ms": 1000.0}),
+    (["demo", "--engine", "vllm", "--duration-s", "7", "--json", "x.json"],
+     "lmcache_loadback.harness.vllm.demo",
+     {"duration_s": 7.0, "sides": "loadback,upstream", "json": "x.json"}),
+])
+def test_each_demo_engine_runs_its_harness_demo_with_its_defaults(capsys, monkeypatch, argv,
+                                                                  module, expected):
+    from lmcache_loadback.cli import demo
+
+    fakes = {"lmcache_loadback.harness.demo": _Demo(),
+             "lmcache_loadback.harness.sglang.demo": _Demo(("ours", "upstream")),
+             "lmcache_loadback.harness.vllm.demo": _Demo(("loadback", "upstream"))}
+    monkeypatch.setattr(demo.importlib, "import_module", fakes.__getitem__)
+    code, _, err = run(capsys, *argv)
+    assert code == 0, err
+    got = vars(fakes[module].args)
+    assert {k: got[k] for k in expected} == expected
+    assert [m for m, f in fakes.items() if f.args is not None] == [module]
+
+
+def test_each_engine_demo_in_the_harness_has_a_run_and_its_sides():
+    """What the verb calls exists: run(args) in each module, SIDES where --sides applies."""
+    import importlib
+
+    from lmcache_loadback.cli import demo
+
+    for engine, name in demo.MODULES.items():
+        module = importlib.import_module(name)
+        assert callable(module.run), name
+        if "sides" in demo.DEFAULTS[engine]:
+            assert module.SIDES and all(isinstance(s, str) for s in module.SIDES), name

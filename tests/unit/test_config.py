@@ -73,7 +73,7 @@ def test_config_is_frozen():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "lmcache_loadback.orchestrator.cli", *args],
+    return subprocess.run([sys.executable, "-m", "lmcache_loadback.cli", *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_loadback.orchestrator import upstream
-from lmcache_loadback.orchestrator.cli import main
+from lmcache_loadback.cli import main
 from lmcache_loadback.orchestrator.config import ConfigError, LoadBackConfig
 
 ROOT = Path(__file__).resolve().parents[2]

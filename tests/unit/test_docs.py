@@ -296,7 +296,7 @@ def device_errors(text: str, name: str, root: Path = REPO) -> list[str]:
 
 @pytest.mark.parametrize("doc", cli_documents(), ids=lambda p: str(p.relative_to(REPO)))
 def test_every_loadback_command_and_flag_named_exists(doc):
-    from lmcache_loadback.orchestrator.cli import build_parser
+    from lmcache_loadback.cli import build_parser
 
     assert cli_errors(doc.read_text(), build_parser()) == []
 
@@ -406,7 +406,7 @@ def test_links_and_anchors_are_checked(tmp_path):
 
 
 def test_cli_make_and_device_checkers_report_what_is_missing(tmp_path):
-    from lmcache_loadback.orchestrator.cli import build_parser
+    from lmcache_loadback.cli import build_parser
 
     text = ("`loadback bench client|core|gpu`, `loadback tune --daemon H:P --nope`,\n"
             "`loadback chaos walk`, `loadback COMMAND --help`, `loadback_lookups_total`,\n"

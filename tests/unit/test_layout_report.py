@@ -56,7 +56,8 @@ TREE = {
                        "    return importlib.import_module(f\"lmcache_loadback.testing.{1}\")\n",
     "testing/fake.py": "from lmcache_loadback.connectors.wire import X\n",
     # another top-level folder with code: a package, listed after the known ones
-    "extra/mod.py": "import metrics\n",
+    "extra/mod.py": "import metrics\n"
+                    "DEMOS = {\"sim\": \"lmcache_loadback.harness.tool\"}  # a table of names\n",
     "extra/broken.py": "def (:\n  pass\n",
     # never packages
     "tests/test_x.py": "import orchestrator\n" + "# t\n" * 500,
@@ -101,7 +102,7 @@ def test_lines_per_package_and_sub_folder(tree):
     layout = layout_report.analyse(tree)
     assert layout.package_totals() == {
         "orchestrator": (3, 1 + 83 + 1), "connectors": (3, 0 + 401 + 1), "metrics": (1, 1),
-        "engines": (2, 2 + 1), "harness": (1, 5), "testing": (1, 1), "extra": (2, 1 + 2)}
+        "engines": (2, 2 + 1), "harness": (1, 5), "testing": (1, 1), "extra": (2, 2 + 2)}
     assert layout.folder_totals("engines") == {"engines/sglang": (2, 3)}
     assert layout.folder_totals("orchestrator") == {}
 
@@ -136,7 +137,8 @@ def test_import_graph_reads_installed_relative_and_plain_names(tree):
         ("testing", "connectors"): (1, 0),
         ("extra", "metrics"): (1, 0),
     }
-    assert layout.named_edges() == {("orchestrator", "harness"): 1, ("harness", "testing"): 1}
+    assert layout.named_edges() == {("orchestrator", "harness"): 1, ("harness", "testing"): 1,
+                                    ("extra", "harness"): 1}
 
 
 def test_report_prints_every_part(tree):
@@ -180,3 +182,18 @@ def test_the_product_itself_keeps_the_limits():
     r = subprocess.run([sys.executable, "-m", "tools.layout_report", "--check", str(REPO)],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+#: The core: what an engine's process imports. The edge (cli/, harness/, testing/, engines/)
+#: imports it, never the other way round.
+CORE = ("orchestrator", "connectors", "metrics")
+
+
+def test_the_core_imports_nothing_from_the_edge_not_even_by_name():
+    """The `loadback` CLI lives in cli/: the core names no harness, testing, engine or CLI
+    module, neither in an import statement nor in a string imported at run time."""
+    layout = layout_report.analyse(REPO)
+    outward = [(src, dst) for src, dst in [*layout.edges(), *layout.named_edges()]
+               if src in CORE and dst not in CORE]
+    assert outward == []
+    assert "cli" in layout.packages and ("cli", "orchestrator") in layout.edges()

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from lmcache_loadback.metrics import start_metrics_server
 from lmcache_loadback.orchestrator import status
-from lmcache_loadback.orchestrator.cli import DEFAULT_STATUS_URL, main
+from lmcache_loadback.cli import DEFAULT_STATUS_URL, main
 from lmcache_loadback.orchestrator.config import LoadBackConfig
 from lmcache_loadback.orchestrator.exit_codes import EXIT_UNAVAILABLE
 from lmcache_loadback.orchestrator.instruments import product_metrics
@@ -134,7 +134,7 @@ def test_default_url_is_metrics_port_default():
 
 LIGHT = """
 import sys
-from lmcache_loadback.orchestrator.cli import main
+from lmcache_loadback.cli import main
 code = main(sys.argv[1:])
 heavy = sorted(m for m in sys.modules if m in ("torch", "lmcache") or m.startswith((
     "torch.", "sglang", "lmcache.", "lmcache_loadback.harness", "lmcache_loadback.orchestrator.core")))

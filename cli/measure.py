@@ -1,0 +1,101 @@
+"""The verbs that break or measure a daemon: chaos run, bench, tune. Their code is the
+harness's, imported only when the verb runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import textwrap
+
+from lmcache_loadback.orchestrator.commands import scenario_names
+
+from .args import count, positive_float, run_tool
+
+#: bench SUITE -> its module under harness/bench, where the names differ
+BENCH_MODULES = {"vllm": "vllm_load"}
+
+
+def _engines_arg(text: str) -> int:
+    """`chaos run --engines`: an integer 1..32."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of engines, 1..32, got {text!r}") from None
+    if not 1 <= n <= 32:
+        raise argparse.ArgumentTypeError(f"engines must be 1..32 (one daemon shared by N engines), got {n}")
+    return n
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator), "
+                       "gpu (CUDA KV pools), vllm (the vLLM worker's load path on CPU)",
+                       description="Exits 1 when a target is missed or a contender dropped, "
+                       "and bench gpu on a host without CUDA.")
+    p.add_argument("suite", choices=["client", "core", "gpu", "vllm"],
+                   help="client: the wire client against LMCache's; core: the orchestrator's "
+                   "own cost and deadline keeping; gpu: load-back into a CUDA KV pool (and into "
+                   "vLLM's CUDA paged layout); vllm: the vLLM worker's load into vLLM's CPU paged "
+                   "cache against LMCache's own")
+    p.add_argument("--json", metavar="FILE", help="also write the figures and verdicts")
+    p.add_argument("--samples", type=count(0), default=0, metavar="N",
+                   help="samples per point (0 = the suite's default)")
+    p.set_defaults(fn=lambda a: importlib.import_module(
+        f"lmcache_loadback.harness.bench.{BENCH_MODULES.get(a.suite, a.suite)}").run(a))
+
+
+def add_chaos(sub) -> None:
+    p = sub.add_parser("chaos", help="break the daemon on purpose and check the invariants")
+    csub = p.add_subparsers(dest="chaos_cmd", required=True, metavar="ACTION")
+    names = scenario_names()
+    listed = ", ".join(names) if names else "(shipped scenarios not found)"
+    cr = csub.add_parser(
+        "run", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="run chaos scenarios against a real daemon; exits 1 if an invariant broke",
+        description=textwrap.fill(
+            "Run the shipped chaos scenarios (configs/chaos/) against a real daemon, each "
+            "breaking it in its own way, and check the invariants: bounded time, no leaks, "
+            "byte-exact loads, counters that reconcile, recovery. Exits 1 if one broke.", 88)
+        + "\n\n" + textwrap.fill("scenarios: " + listed, 88, subsequent_indent="  "),
+        epilog="example: loadback chaos run --scenario kill --engines 4 "
+        "--requests 100\n  4 engines share one daemon; in each of 100 rounds "
+        "all 4 issue a request at once")
+    cr.add_argument("--scenario", default="all", metavar="NAME",
+                    choices=["all", *names] if names else None,
+                    help=f"one scenario, or all (default): {listed}")
+    cr.add_argument("--requests", type=count(0), default=0, metavar="N",
+                    help="requests per scenario (0 = its own); with --engines, rounds: each "
+                    "engine makes this many")
+    cr.add_argument("--engines", type=_engines_arg, default=1, metavar="N",
+                    help="engines sharing the one daemon (1..32, default 1), each with its own "
+                    "connector, orchestrator, metrics and KV pool, on its own thread; every "
+                    "round all N issue a request at the same instant (a burst)")
+    cr.add_argument("--json", metavar="FILE", help="also write every scenario's result")
+    cr.set_defaults(fn=run_tool("lmcache_loadback.harness.chaos"))
+
+
+def add_tune(sub) -> None:
+    p = sub.add_parser("tune", help="measure a running daemon and recommend a config",
+                       description="Measure LOOKUP and RETRIEVE of a running daemon with the "
+                       "model's KV layout and write a recommended config, for SGLang's backend "
+                       "or vLLM's connector alike. The layout comes from the model's config.json "
+                       "(--model-config, any engine) or a running SGLang server (--server). "
+                       "Exits 69 if the daemon cannot be reached, 1 if nothing could be "
+                       "measured.")
+    p.add_argument("--daemon", required=True, metavar="HOST:PORT",
+                   help="the LMCache daemon to measure")
+    p.add_argument("--out", default="loadback-tuned.yaml", metavar="FILE",
+                   help="where to write the recommended config (default loadback-tuned.yaml)")
+    p.add_argument("--prefill-tokens-per-s", type=positive_float, default=10000.0,
+                   metavar="N", help="the engine's prefill speed, for the break-even "
+                   "recommendation (default 10000)")
+    p.add_argument("--requests", type=count(1), default=20, metavar="N",
+                   help="timed LOOKUPs and RETRIEVEs per prefix size (default 20)")
+    src = p.add_mutually_exclusive_group(required=True)  # the KV layout comes from the model
+    src.add_argument("--model-config", metavar="PATH", help="the model's HF config.json")
+    src.add_argument("--server", metavar="URL", help="a running SGLang server, e.g. "
+                     "http://127.0.0.1:30000 (reads its model directory's config.json); for "
+                     "vLLM pass --model-config with the served model's config.json")
+    p.add_argument("--tp-size", type=count(1), default=1, metavar="N",
+                   help="with --model-config: tensor-parallel ranks sharing the KV heads")
+    p.add_argument("--json", metavar="FILE", help="also write the raw measurements")
+    p.set_defaults(fn=run_tool("lmcache_loadback.harness.tune"))
