@@ -190,12 +190,14 @@ class Engine:
         took, proc1 = d.took_s, time.process_time()
         t.return_times.append(took)
         over = took - deadline_s
-        excused = min(max(over - self.slack, 0.0), d.excused(self.excuse_cap_s))
+        allowance = d.excused(self.excuse_cap_s)
+        late = over - allowance  # judged: hung past the slack
+        excused = min(max(over - self.slack, 0.0), allowance)  # what the verdict needed
         t.excused_s += excused
         t.worst_excused_s = max(t.worst_excused_s, excused)
-        if over - excused > self.slack:
+        if late > self.slack:
             t.hung += 1
-        if over > t.worst_overshoot_s or over - excused > t.worst_judged_s:
+        if over > t.worst_overshoot_s or late > t.worst_judged_s:
             own_ms, wait_ms = d.cpu_s * 1e3, d.run_queue_s * 1e3
             detail = {
                 "op": op, "took_ms": took * 1e3, "deadline_ms": deadline_s * 1e3,
@@ -208,8 +210,8 @@ class Engine:
                 "other_threads_cpu_ms": max(0.0, (proc1 - proc0) * 1e3 - own_ms)}
             if over > t.worst_overshoot_s:
                 t.worst_overshoot_s, t.worst_overshoot_detail = over, detail
-            if over - excused > t.worst_judged_s:
-                t.worst_judged_s, t.worst_judged_detail = over - excused, detail
+            if late > t.worst_judged_s:
+                t.worst_judged_s, t.worst_judged_detail = late, detail
         return result, took
 
     def request(self, prompt: list[int], local: int, *, phase: str = "") -> None:

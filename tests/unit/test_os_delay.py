@@ -171,6 +171,17 @@ def test_the_allowance_is_capped_per_call_and_what_was_excused_is_kept():
     assert e.tally.worst_excused_s == pytest.approx(0.25)
 
 
+@pytest.mark.parametrize("over_s", [0.5408, 0.1234567, 0.0456789, 0.3, 0.7])
+def test_a_call_that_waited_for_a_cpu_longer_than_it_was_late_is_not_hung(over_s):
+    """A kill_shm match 541 ms late had waited 694 ms for a CPU: excused whole (what the
+    verdict needed, 536 ms), never hung by a rounding of (late - excused) past the slack."""
+    delay = _Took(0.01 + over_s, over_s + 0.15, 0.0, 0.0)
+    e = Engine(None, None, None, None, deadline_slack_s=0.005, os_delay=delay,
+               excuse_cap_s=1.0)
+    e._timed("match", 0.01, lambda: None)
+    assert e.tally.hung == 0
+
+
 def test_a_garbage_collection_during_the_call_is_counted_whichever_thread_ran_it():
     junk = [[i] for i in range(200_000)]  # a heap for the collector to walk
     ran = threading.Event()
