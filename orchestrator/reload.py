@@ -16,6 +16,7 @@ from typing import Callable
 
 from .config import ConfigError, LoadBackConfig
 from .core import LoadBackOrchestrator
+from .tp_reload import AgreedReload
 
 log = logging.getLogger("loadback")
 
@@ -23,7 +24,9 @@ log = logging.getLogger("loadback")
 class ConfigReloader:
     """Reload on SIGHUP (installed from the main thread unless `install_sighup=False`) or on
     `reload_now()`. `loadback_config_reload_failures_total` counts rejected files;
-    `loadback_config_generation` moves only on success."""
+    `loadback_config_generation` moves only on success. Under tensor parallelism the keys
+    that change which collectives run are only staged here (`agreement`); the engine adopts
+    them at a step the ranks agree on (the SGLang backend does, at each scheduler pass)."""
 
     def __init__(self, orch: LoadBackOrchestrator, path: str | Path, *,
                  install_sighup: bool = True) -> None:
@@ -31,6 +34,8 @@ class ConfigReloader:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._previous = None
+        # Under TP the keys that shape collectives wait for the group (orchestrator.tp_reload).
+        self.agreement = AgreedReload(orch) if orch.tp.enabled else None
         if install_sighup:
             if threading.current_thread() is not threading.main_thread():
                 raise RuntimeError("SIGHUP reload must be installed from the main thread; "
@@ -48,7 +53,10 @@ class ConfigReloader:
         with self._lock:
             try:
                 cfg = LoadBackConfig.from_yaml(self.path)
-                self.orch.reload(cfg)
+                if self.agreement is not None:
+                    cfg = self.agreement.offer(cfg)
+                else:
+                    self.orch.reload(cfg)
             except ConfigError as exc:
                 log.log(level, "config reload rejected, generation %d stays in force: %s",
                         self.orch.generation, exc)
@@ -127,3 +135,8 @@ class ConfigWatcher:
             return None  # touched, or saved unchanged
         self._digest = digest
         return self.reloader.reload_now(level=logging.WARNING, on_apply=self.on_apply)
+
+    @property
+    def agreement(self) -> AgreedReload | None:
+        """Under TP: what the engine's per-pass collective carries (None at TP 1)."""
+        return self.reloader.agreement

@@ -25,11 +25,16 @@ class TPAgreement:
         return self.rank == 0
 
     def min(self, value: int) -> int:
+        return self.min_each([value])[0]
+
+    def min_each(self, values: list[int]) -> list[int]:
+        """Each value's minimum over the ranks, in one all-reduce (every rank passes as many
+        values)."""
         if not self.enabled:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+        return [int(v) for v in t.tolist()]
 
     def share(self, value: int, *, ok: bool = True) -> int:
         """The leader's `value` on every rank, or -1 when any rank says it cannot (`ok`

@@ -129,21 +129,33 @@ class StoreWorker(WorkerThread):
 
     def __init__(self, orch, *, max_queued: int = 64) -> None:
         self.completed: queue.SimpleQueue = queue.SimpleQueue()
+        #: Stores admitted and not yet drained (scheduler thread only). A store that went
+        #: through keeps its tree lock until the scheduler thread drains it, so it counts
+        #: until then; and since only the scheduler thread moves this count, at points every
+        #: TP rank passes in one order, every rank admits the same stores (`depth` and
+        #: `completed` move on the store thread, at a different moment on each rank).
+        self.admitted = 0
         super().__init__(orch, max_queued=max_queued)
         if self.metrics is not None:
             self.metrics.store_queue_limit.set(max_queued)
 
     def _held(self) -> int:
-        # A store that went through keeps its tree lock until the scheduler thread drains
-        # it (with TP > 1, until every rank finished it): it counts until then.
-        return self.depth + self.completed.qsize()
+        return self.admitted
 
     def _count_skipped(self) -> None:
         if self.metrics is not None:
             self.metrics.store_skipped()
 
     def submit(self, job: StoreJob) -> None:
+        self.admitted += 1
         self._queue(job)
+
+    def drain(self, n: int) -> list[StoreJob]:
+        """Scheduler thread: the first `n` completed stores (n at most `completed.qsize()`),
+        no longer counted against the bound."""
+        jobs = [self.completed.get_nowait() for _ in range(n)]
+        self.admitted -= len(jobs)
+        return jobs
 
     def finish_after(self, job: StoreJob) -> bool:
         """End the session once the store is through; False when it already is (the caller

@@ -85,11 +85,8 @@ class StoreHooks:
         if self._tp_size > 1:
             if not safe_point:
                 return
-            # Every rank submitted the same stores in the same order: the first `ready`
-            # finished stores are the same requests on every rank.
-            ready = self.orch.tp.min(ready)
-        for _ in range(ready):
-            job = worker.completed.get_nowait()
+            ready = self._agree_pass(ready)
+        for job in worker.drain(ready):
             if self._stores.get(job.handle) is job:
                 del self._stores[job.handle]
             if job.node is not None:
@@ -98,6 +95,21 @@ class StoreHooks:
                 else:
                     self.dec_lock_ref(job.node, job.receipt)
                 job.node = None
+
+    def _agree_pass(self, ready: int) -> int:
+        """TP > 1, at the scheduler's safe point: one all-reduce per pass, every rank. Every
+        rank submitted the same stores in the same order, so the first min(ready) finished
+        stores are the same requests on every rank; and a reload every rank has read is
+        adopted here, at the same pass on each (orchestrator.tp_reload)."""
+        watcher = self.config_watcher
+        agreement = watcher.agreement if watcher is not None else None
+        offer = agreement.offered() if agreement is not None else 0
+        ready, lowest, neg_highest = self.orch.tp.min_each([ready, offer, -offer])
+        if agreement is not None:
+            config = agreement.settle(lowest, -neg_highest)
+            if config is not None:
+                self._config_reloaded(config)
+        return ready
 
     def _wait_stores(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

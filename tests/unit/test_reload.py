@@ -183,3 +183,28 @@ def test_watcher_survives_the_file_disappearing(orch, tmp_path, caplog):
     assert len([r for r in caplog.records if "cannot be read" in r.getMessage()]) == 1
     _edit(f, "chunk_size: 16\nretries:\n  max_attempts: 1\n")
     assert w.check(force=True) is True and orch.config.retries.max_attempts == 1
+
+
+def test_tp_reload_stages_collective_keys_until_every_rank_offers_them(orch):
+    """Under TP the keys that change which collectives `match` makes (break_even.min_tokens,
+    prepare_at_match) wait for the group; every other key applies at once."""
+    from lmcache_loadback.orchestrator.tp_reload import AgreedReload, digest, values_of
+
+    agreed = AgreedReload(orch)
+    before = agreed.offered()
+    new = LoadBackConfig.from_dict({"chunk_size": 16, "prepare_at_match": False,
+                                    "deadlines": {"lookup_ms": 7},
+                                    "break_even": {"min_tokens": 4096}})
+    applied = agreed.offer(new)
+    assert applied.deadlines.lookup_ms == orch.config.deadlines.lookup_ms == 7
+    assert orch.config.break_even.min_tokens == 0 and orch.config.prepare_at_match
+    assert orch.break_even.policy.min_tokens == 0
+    mine = agreed.offered()
+    assert mine == digest(values_of(new)) != before
+    assert agreed.settle(before, mine) is None        # a peer still holds the old values
+    assert orch.config.break_even.min_tokens == 0
+    adopted = agreed.settle(mine, mine)               # every rank holds them: adopted
+    assert adopted is orch.config
+    assert (adopted.break_even.min_tokens, adopted.prepare_at_match) == (4096, False)
+    assert orch.break_even.policy.min_tokens == 4096 and adopted.deadlines.lookup_ms == 7
+    assert agreed.settle(mine, mine) is None and agreed.offered() == mine
