@@ -3,18 +3,24 @@
 
 from __future__ import annotations
 
+import logging
+
 from lmcache_loadback.connectors.kv_layout import KVLayout
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 
 from .config import LoadBackConfig
 from .core import LoadBackOrchestrator
 
+log = logging.getLogger("loadback")
+
 
 def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, metrics=None,
-                        tp_group=None, kv_rank: int = 0, world_size: int = 1
-                        ) -> LoadBackOrchestrator:
+                        tp_group=None, kv_rank: int = 0, world_size: int = 1,
+                        metrics_offset: int | None = None) -> LoadBackOrchestrator:
     """`kv_rank`/`world_size`: this process's TP rank and the TP size. With a sharded (MHA)
-    layout each rank is its own KV rank; with an MLA layout see `kv_geometry`."""
+    layout each rank is its own KV rank; with an MLA layout see `kv_geometry`.
+    `metrics_offset`: with `metrics.enabled`, this process serves on `metrics.port` + it
+    (default `kv_rank`; unique per process of the engine, e.g. SGLang's DP replicas)."""
     if layout.chunk_size != (config.ip.chunk_size if config.mode == "ip" else config.chunk_size):
         raise ValueError(
             f"KV layout chunk_size {layout.chunk_size} differs from the config's "
@@ -40,14 +46,27 @@ def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, me
     if owned is not None:
         orch.on_close(owned.close)
     if config.metrics.enabled:
-        from lmcache_loadback.metrics import start_metrics_server
-
-        # One exposition server per KV rank: rank r serves on port + r.
-        server = start_metrics_server(config.metrics.host, config.metrics.port + kv_rank,
-                                      registry=orch.metrics)
-        orch.metrics_server = server
-        orch.on_close(server.close)
+        serve_metrics(orch, config, kv_rank if metrics_offset is None else metrics_offset)
     return orch
+
+
+def serve_metrics(orch: LoadBackOrchestrator, config: LoadBackConfig, offset: int) -> None:
+    """One exposition server per process, on `metrics.port + offset` (0: a free port). A
+    port that cannot be bound is one ERROR naming it and the key to set, and the engine
+    runs without it: metrics never stop an engine from starting."""
+    from lmcache_loadback.metrics import start_metrics_server
+
+    port = config.metrics.port + offset if config.metrics.port else 0
+    try:
+        server = start_metrics_server(config.metrics.host, port, registry=orch.metrics)
+    except OSError as exc:
+        log.error("loadback metrics server not started, running without it: %s (this "
+                  "process serves on metrics.port + %d = %d; set metrics.port to the first "
+                  "of a free range, metrics.port: 0 for a free one, or metrics.enabled: "
+                  "false)", exc, offset, port)
+        return
+    orch.metrics_server = server
+    orch.on_close(server.close)
 
 
 def watch_daemon(orch: LoadBackOrchestrator, endpoint: str, transfer: str) -> None:

@@ -29,6 +29,25 @@ def sglang_version() -> str:
         return getattr(sglang, "__version__", "unknown")
 
 
+def dp_rank() -> int:
+    """This scheduler's data-parallel replica, 0 without data parallelism. SGLang 0.5.23
+    records it in the scheduler's runtime context at start (`get_parallel().dp_rank`, None
+    without a DP controller); SGLang's router passes `SGLANG_DP_RANK` instead, which 0.5.20's
+    scheduler reads too."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        rank = get_parallel().dp_rank
+    except Exception:  # not published (class-level use), or a release that has no such name
+        rank = None
+    if rank is None:
+        rank = os.environ.get("SGLANG_DP_RANK")
+    try:
+        return max(int(rank or 0), 0)
+    except ValueError:
+        return 0
+
+
 def allow_untested(config) -> bool:
     """The operator's opt-in: `sglang.allow_untested` in the YAML, else the env variable
     (read once, at construction)."""
