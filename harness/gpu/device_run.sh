@@ -6,24 +6,25 @@
 # (or did not run), with the tests' code.
 set -uo pipefail
 OUT=${OUT:-/tmp/loadback-gpu-out}
+SITE=${SITE:-/tmp/site}  # where the wheels and the checkout's packages are installed
 mkdir -p "$OUT"
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 LMCACHE_LOG_LEVEL=WARNING
 STEPS=${STEPS:-tests bench}
 t() { date +%s; }
 T0=$(t)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
+    --target "$SITE" .whl/*.whl || { echo "wheel install failed"; exit 1; }
 # The checkout's folders under their installed import name (setup.py maps each folder to
 # lmcache_loadback.<folder>), without building the product's own wheel here.
-mkdir -p /tmp/site/lmcache_loadback
-for d in orchestrator connectors metrics engines harness testing; do
-    ln -sfn "$PWD/$d" "/tmp/site/lmcache_loadback/$d"
+mkdir -p "$SITE/lmcache_loadback"
+for d in cli orchestrator connectors metrics engines harness testing; do
+    ln -sfn "$PWD/$d" "$SITE/lmcache_loadback/$d"
 done
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH="$SITE:$PWD"
 echo "[$(( $(t) - T0 )) s] wheels installed"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])'
-python3 -m lmcache_loadback.harness.gpu.build_cuda_ops .lmsrc/csrc /tmp/site > "$OUT/build.log" 2>&1 &
+python3 -m lmcache_loadback.harness.gpu.build_cuda_ops .lmsrc/csrc "$SITE" > "$OUT/build.log" 2>&1 &
 build=$!
 rc_tests=0
 if [[ " $STEPS " == *" tests "* ]]; then

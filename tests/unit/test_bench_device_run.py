@@ -5,6 +5,7 @@ that exit with chosen codes (the real ones need the GPU host)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -29,8 +30,19 @@ def test_device_run_exits_with_the_bench_code(tmp_path, bench, tests, want):
         (bin_ / name).write_text(body)
         (bin_ / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
-           "FAKE_BENCH_RC": str(bench), "FAKE_TESTS_RC": str(tests)}
+           "SITE": str(tmp_path / "site"), "FAKE_BENCH_RC": str(bench),
+           "FAKE_TESTS_RC": str(tests)}
     run = subprocess.run(["bash", str(ROOT / "harness/gpu/device_run.sh")], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == want, run.stdout + run.stderr
     assert "bench output" in run.stdout and f"bench rc={bench}" in run.stdout
+
+
+def test_device_run_installs_every_package_folder_of_the_product(tmp_path):
+    """Each folder setup.py installs as lmcache_loadback.<folder> is linked into the site the
+    GPU host imports from (the CLI moved to cli/, and `python -m lmcache_loadback.cli` runs)."""
+    folders = re.search(r"FOLDERS = \(([^)]*)\)", (ROOT / "setup.py").read_text()).group(1)
+    script = (ROOT / "harness/gpu/device_run.sh").read_text()
+    linked = re.search(r"for d in ([a-z ]+); do", script).group(1).split()
+    assert sorted(linked) == sorted(re.findall(r'"(\w+)"', folders))
+    assert "python3 -m lmcache_loadback.cli bench gpu" in script
