@@ -233,7 +233,8 @@ def test_a_segment_retired_mid_load_stays_page_locked_until_the_copy_ran(conns, 
                 "the old segment was unregistered under a load that reads it"
         step.result().ready.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(_rows(dst, slots), _rows(src, stored)))
-        conn._gpu.attach(conn._shm.bytes)  # any later pass reaps what no copy reads
+        # any later pass (the same segment: its mapping and inode) reaps what no copy reads
+        conn._gpu.attach(conn._shm.bytes, identity=conn._shm.identity)
         assert not old.registered and old not in conn._gpu._retired
     finally:
         d.stop()
