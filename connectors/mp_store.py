@@ -53,10 +53,9 @@ class StoreCalls:
                               request_id=request_id,
                               on_late=None if late is None else late.answered)
         except DaemonTimeout:
-            if late is not None:
+            if late is not None and on_owed is not None:  # else no copy outlives the raise
                 late.kept, late.finish = self._host_chunks(pool, slots, end), self._finish_late
-                if on_owed is not None:
-                    on_owed(late)
+                on_owed(late)
             raise
         left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
         if self.transfer == "shm":
