@@ -6,11 +6,10 @@ every rank makes the same collectives on every path of `match` and `load_back`.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -24,6 +23,7 @@ from .handoff import HandOff
 from .instruments import product_metrics
 from .leases import Lease, RequestKey
 from .link import DaemonLink
+from .ownership import owns_release
 from .policies import BreakEvenGuard, CircuitBreaker, Clock, monotonic
 from .results import LoadResult, MatchResult
 from .sessions import Sessions
@@ -31,43 +31,6 @@ from .states import DegradeReason, PrefixState, fire
 from .tp import TPAgreement
 
 log = logging.getLogger("loadback")
-
-
-def _owns_release(answer_released: Callable[[Any, Any], Any],
-                  answered: Callable[[Any, Any], None] | None = None):
-    """While the decorated call (match, load_back) runs for a request id, its thread alone
-    may release that id: an abort/finish/close from another thread meanwhile (the hook's
-    scheduler thread dropping a LOOKUP its worker still runs, an engine aborting a request
-    whose load runs elsewhere) is only recorded and returns at once; it is carried out here
-    once the call returned (see `_release`): the prefix ends once, after all the call did.
-    `answer_released(prefix or None, result)`: what the call returns then.
-    `answered(prefix, result)`: run under the lock when the call's own result is returned
-    (no release came meanwhile), before any later release can end the prefix."""
-
-    def wrap(call):
-        @functools.wraps(call)
-        def owned(self, request_id: str, *args, **kwargs):
-            with self._lock:
-                owner = request_id not in self._owners  # a nested call defers to its owner
-                if owner:
-                    self._owners[request_id] = None
-            if not owner:
-                return call(self, request_id, *args, **kwargs)
-            try:
-                result = call(self, request_id, *args, **kwargs)
-            finally:
-                with self._lock:
-                    reason = self._owners.pop(request_id)
-                    p = self._live.get(request_id)
-                    if reason is None and p is not None and answered is not None:
-                        answered(p, result)
-                if reason is not None:
-                    self._release(request_id, reason)
-            return result if reason is None else answer_released(p, result)
-
-        return owned
-
-    return wrap
 
 
 class LoadBackOrchestrator(HandOff):
@@ -100,7 +63,7 @@ class LoadBackOrchestrator(HandOff):
         self.break_even = BreakEvenGuard(config.break_even, connector.layout.bytes_per_token)
         self._live: dict[str, Prefix] = {}
         # Requests inside match or load_back -> the release asked for meanwhile (None: none
-        # yet): `_owns_release`.
+        # yet): `owns_release`.
         self._owners: dict[str, DegradeReason | None] = {}
         self._lock = threading.RLock()
         self._closed = False
@@ -118,7 +81,7 @@ class LoadBackOrchestrator(HandOff):
 
     # ------------------------------------------------------------------ match
 
-    @_owns_release(lambda p, _: p.match_result() if p is not None else MatchResult(),
+    @owns_release(lambda p, _: p.match_result() if p is not None else MatchResult(),
                    answered=lambda p, result: p.tell(result.tokens))
     def match(self, request_id: str, token_ids: Sequence[int], *, local_hit_tokens: int = 0,
               cache_salt: str = "") -> MatchResult:
@@ -191,7 +154,7 @@ class LoadBackOrchestrator(HandOff):
 
     # -------------------------------------------------------------- load_back
 
-    @_owns_release(lambda _, loaded: loaded)  # the load's own outcome: the slots hold that
+    @owns_release(lambda _, loaded: loaded)  # the load's own outcome: the slots hold that
     def load_back(self, request_id: str, slots: torch.Tensor | None, *,
                   decline: DegradeReason | None = None,
                   land: Callable[[Retrieved], None] | None = None) -> LoadResult:
@@ -283,7 +246,7 @@ class LoadBackOrchestrator(HandOff):
     def _release(self, request_id: str, reason: DegradeReason) -> None:
         """One thread releases a request id: the prefix and the session are taken out under
         the lock (a second release finds nothing), and while match or load_back runs for
-        the id the release is left to that call's own thread (`_owns_release`), so nothing
+        the id the release is left to that call's own thread (`owns_release`), so nothing
         the call does afterwards (a LOOKUP's lock free, a prepared range, a copy) outlives
         the release."""
         with self._lock:
