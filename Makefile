@@ -17,7 +17,7 @@ SGLANG_ENV := PYTHONPATH=$(CURDIR)/harness/sglang/stubs HF_HUB_OFFLINE=1
 # build side by side.
 EDITABLE = mkdir -p build && flock build/.editable.lock
 
-.PHONY: venv sglang-envs vllm-env prometheus-tools demo demo-sim test compare-upstream chaos bench bench-vllm clean
+.PHONY: venv sglang-envs vllm-env prometheus-tools redis-tools demo demo-sim test compare-upstream chaos bench bench-vllm clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -87,12 +87,21 @@ prometheus-tools:
 	  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=60 install -y -qq \
 	    --no-install-recommends prometheus; }
 
+# redis-server and redis-cli for tests/integration/test_fleet_l2.py (the L2 store daemons
+# share): installed here, once, only when missing (Debian's package; its own service is not
+# started), never from inside a test.
+redis-tools:
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { \
+	  apt-get -o DPkg::Lock::Timeout=60 update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=60 install -y -qq \
+	    --no-install-recommends redis-server; }
+
 # The venvs are built side by side (-j4: pip mostly waits on downloads and disk), then the main
 # suite (testpaths: unit, integration), then tests/sglang in each SGLang venv: class
 # tests on both versions, the real-server end-to-end tests on 0.5.23 only; then tests/vllm
 # (class tests and a real server) in .venv-vllm. All four run; any failure fails the target.
 test:
-	$(MAKE) -j4 venv prometheus-tools sglang-envs vllm-env
+	$(MAKE) -j4 venv prometheus-tools redis-tools sglang-envs vllm-env
 	rc=0; \
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS) || rc=1; \
 	$(SGLANG_ENV) .venv-sglang-0.5.23/bin/python -m pytest -q -ra -m "not upstream" tests/sglang $(PYTEST_ARGS) || rc=1; \

@@ -17,6 +17,7 @@ from lmcache_loadback.orchestrator.exit_codes import EPILOG
 
 from .args import UsageParser
 from .demo import add_demo, add_sglang_demo
+from .fleet import add_fleet
 from .measure import add_bench, add_chaos, add_tune
 from .operate import DEFAULT_STATUS_URL, add_config, add_status
 
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the installed lmcache-loadback version and exit")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for add in (add_config, add_demo, add_sglang_demo, add_bench, add_chaos, add_tune,
-                add_status):
+                add_status, add_fleet):
         add(sub)
     return parser
 

@@ -57,6 +57,9 @@ class DaemonProcess:
     http: bool = False
     extra_args: list[str] = field(default_factory=list)
     log_dir: str | None = None
+    #: `--l2-adapter` JSON (e.g. `testing.redis.RedisServer.l2_adapter()`): an L2 store shared
+    #: with other daemons; None runs L1 only.
+    l2_adapter: dict | None = None
     proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     http_port: int = field(default=0, init=False)
     starts: int = field(default=0, init=False)
@@ -88,6 +91,8 @@ class DaemonProcess:
         ]
         if self.shm_name:
             args += ["--shm-name", self.shm_name]
+        if self.l2_adapter is not None:
+            args += ["--l2-adapter", json.dumps(self.l2_adapter)]
         if self.http:
             if not self.http_port:
                 self.http_port = free_port(self.host)
