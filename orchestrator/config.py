@@ -70,7 +70,9 @@ class Breaker(_Section):
     window: Annotated[int, Meta(ge=1, description="calls")] = 20
     min_calls: Annotated[int, Meta(ge=1, description="calls in the window")] = 10
     cooldown_ms: _ms("the first half-open probe waits this long") = 500.0  # doubles per failure
-    cooldown_max_ms: _ms("the longest cooldown") = 30000.0
+    # a probe is one ping: a 1 s cap costs a ping a second while the daemon is down, and the
+    # first hit comes within ~2 s of it serving again (30 s before)
+    cooldown_max_ms: _ms("the longest cooldown") = 1000.0
 
 
 class Heartbeat(_Section):

@@ -31,6 +31,10 @@ log = logging.getLogger("loadback")
 READY_POLL_MIN_S = 0.001
 READY_POLL_MAX_S = 0.016
 
+#: The heartbeat never sleeps less than this while the breaker waits for its probe (a
+#: half-open breaker that a refused daemon keeps half-open must not spin the thread).
+PROBE_POLL_MIN_S = 0.05
+
 #: A refused daemon is asked its chunk size again at most this often on one connection (and
 #: at once when a new daemon incarnation answers).
 REFUSED_RECHECK_S = 5.0
@@ -114,6 +118,7 @@ class DaemonLink(DebtBook):
     def breaker_changed(self, state: str) -> None:
         """The breaker's `on_change`: one WARNING per change (rate-limited)."""
         if state == BreakerState.OPEN:
+            self._wake.set()  # the heartbeat may sleep a whole interval: time the probe now
             self.states.change("breaker_open", "daemon %s: circuit breaker open, requests "
                                "recompute without asking it; first probe in %.1f s",
                                self._endpoint, self.breaker.cooldown_s)
@@ -311,8 +316,11 @@ class DaemonLink(DebtBook):
                 self.tick()
             except Exception:  # the heartbeat must outlive any bug in one tick
                 log.exception("heartbeat tick failed")
-            self._wake.wait(interval if self.registered_epoch is not None else
-                            min(interval, 0.05))
+            wait = interval if self.registered_epoch is not None else min(interval, 0.05)
+            due = self.breaker.probe_in()
+            if due is not None:  # an open breaker's probe goes out when due, not a tick late
+                wait = min(wait, max(due, PROBE_POLL_MIN_S))
+            self._wake.wait(wait)
             self._wake.clear()
 
     def _releaser_loop(self) -> None:

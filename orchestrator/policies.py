@@ -131,6 +131,16 @@ class CircuitBreaker:
             return True
         return self.state == BreakerState.HALF_OPEN
 
+    def probe_in(self) -> float | None:
+        """Seconds until the open breaker's probe is due (0 when due or half-open), None
+        when closed: the heartbeat sleeps no longer than this, so the probe is never a
+        heartbeat interval late."""
+        if self.state == BreakerState.CLOSED:
+            return None
+        if self.state == BreakerState.HALF_OPEN:
+            return 0.0
+        return max(0.0, self._opened_at + self._cooldown_s - self.clock())
+
     def probe_now(self) -> None:
         """Half-open at once (the daemon came back as a new process)."""
         with self._lock:
