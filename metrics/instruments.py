@@ -140,6 +140,11 @@ class LoadbackMetrics(OperatorView):
         """LOOKUPs and RETRIEVEs, retries and timeouts by op."""
         c_lookups = Counter("loadback_lookups_total", "LOOKUPs by result.", ["result"], registry=reg)
         self._lookups = {r: c_lookups.labels(result=r) for r in LOOKUP_RESULTS}
+        # A skipped LOOKUP degrades no prefix: during an outage this is the last refusal.
+        self.last_skipped = Gauge("loadback_last_skipped_timestamp_seconds",
+                                  "Unix time a LOOKUP was last skipped (breaker open or not "
+                                  "registered; 0: never).", registry=reg,
+                                  multiprocess_mode="livemax")
         self.lookup_duration = Histogram("loadback_lookup_duration_seconds",
                                          "LOOKUP latency (hit, miss, error; skipped ones are not timed).",
                                          buckets=DURATION_BUCKETS, registry=reg)
@@ -257,7 +262,9 @@ class LoadbackMetrics(OperatorView):
         except KeyError:
             child = find_child(self._lookups, result, "lookup result", label_of)
         child.inc()
-        if seconds is not None and result != "skipped":
+        if result == "skipped":
+            self.last_skipped.set(self.wall_clock())
+        elif seconds is not None:
             self.lookup_duration.observe(seconds)
 
     def observe_retrieve(self, seconds: float) -> None:

@@ -93,10 +93,16 @@ def summarize(samples: Samples, *, url: str, now: float | None = None) -> dict[s
                 samples.get("loadback_prefix_outcomes_total", ()) if lab.get("state") == "degraded"}
     waits = _one(samples, "loadback_scheduler_wait_seconds_count")
     wait_sum = _one(samples, "loadback_scheduler_wait_seconds_sum")
+    counts = dict(degraded)
+    skipped_at = max((v for _, v in samples.get("loadback_last_skipped_timestamp_seconds", ())),
+                     default=0.0)
+    if skipped_at:  # an outage skips LOOKUPs and degrades nothing: it is a refusal too
+        last.append((skipped_at, SKIPPED))
+        counts[SKIPPED] = _int(_one(samples, "loadback_lookups_total", result="skipped"))
     if last:
         at, reason = max(last)
         refusal = {"reason": reason, "at": at, "ago_s": round(max(0.0, now - at), 3),
-                   "count": degraded.get(reason)}
+                   "count": counts.get(reason)}
     else:
         refusal = None
     return {
@@ -128,6 +134,11 @@ def summarize(samples: Samples, *, url: str, now: float | None = None) -> dict[s
         "last_refusal": refusal,
         "degraded_total": sum(degraded.values()) if degraded else None,
     }
+
+
+#: The last refusal's reason when it was a LOOKUP skipped (`loadback_lookups_total{result}`).
+SKIPPED = "skipped"
+_SKIPPED_SAYS = "skipped: no LOOKUP sent, breaker open or not registered"
 
 
 def _na(x: object) -> str:
@@ -163,7 +174,8 @@ def render(st: dict[str, Any]) -> str:
     wait = "n/a (no call timed yet)" if w is None else f"{w['calls']} calls, mean {w['mean_ms']:.1f} ms"
     r = st["last_refusal"]
     if r is not None:
-        refusal = f"{r['reason']} ({r['ago_s']:.0f} s ago; {_na(r['count'])} so far)"
+        why = _SKIPPED_SAYS if r["reason"] == SKIPPED else r["reason"]
+        refusal = f"{why} ({r['ago_s']:.0f} s ago; {_na(r['count'])} so far)"
     elif st["degraded_total"] == 0:
         refusal = "none"
     else:
