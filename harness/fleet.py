@@ -65,7 +65,7 @@ class L2Store:
 
     def describe(self) -> str:
         nodes = ",".join(f"{h}:{p}" for h, p in sorted(self.nodes))
-        rest = ", ".join(f"{k}={v}" for k, v in self.where if v not in ("", None, False))
+        rest = ", ".join(f"{k}={v}" for k, v in self.where if v not in ('""', "null", "false"))
         return " ".join(x for x in (self.kind, nodes, rest) if x)
 
     def same_place(self, other: "L2Store") -> bool:
@@ -265,7 +265,7 @@ def _share(a: _Side, b: _Side, wait_s: float, timeout_s: float) -> list[Finding]
                               "model name is used for two layouts (the L2 key has no layout); "
                               "give each its own model name", EXIT_FAILED)]
     return out + [Finding(True, f"{b.name} hit {n}/{n} through L2 {took_ms:.0f} ms after the "
-                          f"STORE ({tries} LOOKUPs) and loaded it byte-exact")]
+                          f"STORE ({tries} LOOKUP{'s' if tries > 1 else ''}) and loaded it byte-exact")]
 
 
 def check(a: str, b: str, *, models: tuple[str, str] = ("loadback", "loadback"),

@@ -19,7 +19,7 @@ from lmcache_loadback.cli import main as loadback
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from lmcache_loadback.harness import fleet
-from lmcache_loadback.orchestrator.exit_codes import EXIT_FAILED, EXIT_OK
+from lmcache_loadback.orchestrator.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE
 from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.testing.redis import RedisCluster, RedisServer, RedisUnavailable, find_redis
 
@@ -38,9 +38,13 @@ def _start_all(daemons: list[DaemonProcess]) -> None:
     with ThreadPoolExecutor(len(daemons)) as ex:
         errors = [f.exception() for f in [ex.submit(d.start) for d in daemons]]
     if any(errors):
-        for d in daemons:
-            d.stop()
+        _stop_all(daemons)
         raise next(e for e in errors if e)
+
+
+def _stop_all(daemons: list[DaemonProcess]) -> None:
+    with ThreadPoolExecutor(len(daemons)) as ex:
+        list(ex.map(DaemonProcess.stop, daemons))
 
 
 def _admin(d: DaemonProcess) -> str:
@@ -70,8 +74,7 @@ def fleet_one_redis():
         try:
             yield shared, a, b, c
         finally:
-            for d in (a, b, c):
-                d.stop()
+            _stop_all([a, b, c])
 
 
 def test_prefix_stored_through_one_daemon_is_a_byte_exact_hit_through_another(fleet_one_redis):
@@ -138,6 +141,20 @@ def test_fleet_check_fails_naming_different_redis_servers(fleet_one_redis):
     _assert_idle(a, c)
 
 
+def test_fleet_check_names_an_l2_server_that_does_not_answer(fleet_one_redis, capsys):
+    shared, a, b, _ = fleet_one_redis
+    shared.pause()
+    try:
+        rc = loadback(["fleet", "check", _addr(a), _addr(b), "--admin-a", _admin(a),
+                       "--admin-b", _admin(b), "--timeout-s", "0.5"])
+    finally:
+        shared.resume()
+    out = capsys.readouterr().out
+    assert rc == EXIT_UNAVAILABLE, out
+    assert f"FAIL L2 unreachable: 127.0.0.1:{shared.port} (resp)" in out
+    _assert_idle(a, b)
+
+
 @pytest.mark.skipif(not HAS_GLIDE, reason="the valkey adapter needs valkey-glide-sync "
                     "(the test extra installs it)")
 def test_three_shard_cluster_with_valkey_adapter_shares_byte_exact():
@@ -154,5 +171,4 @@ def test_three_shard_cluster_with_valkey_adapter_shares_byte_exact():
             assert cluster.dbsize() >= fleet.MARKER_CHUNKS
             _assert_idle(a, b)
         finally:
-            a.stop()
-            b.stop()
+            _stop_all([a, b])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -357,7 +358,8 @@ def test_every_daemon_line_is_one_lmcache_0_5_6_starts_with():
         add(parser)
     lines, bad = daemon_lines(), []
     for where, line in lines:
-        words = [DAEMON_PLACEHOLDERS.get(w, w) for w in line.split()]
+        # as the shell splits it: an --l2-adapter's JSON is one quoted word
+        words = [DAEMON_PLACEHOLDERS.get(w, w) for w in shlex.split(line)]
         whole = "..." not in words
         try:
             args = parser.parse_args([w for w in words if w != "..."])
