@@ -294,7 +294,10 @@ def check(a: str, b: str, *, models: tuple[str, str] = ("loadback", "loadback"),
             out += _config_findings(("A", "B"), admins, timeout_s)
             if any(not f.ok for f in out):
                 return out
-        return out + _share(sides[0], sides[1], wait_s, timeout_s)
+        try:
+            return out + _share(sides[0], sides[1], wait_s, timeout_s)
+        except ConnectorError as exc:  # registration or the STORE: the daemon, not L2
+            return out + [Finding(False, f"a call to a daemon failed: {exc}", EXIT_UNAVAILABLE)]
     finally:
         for s in sides:
             try:

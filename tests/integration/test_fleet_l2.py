@@ -19,7 +19,12 @@ from lmcache_loadback.cli import main as loadback
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from lmcache_loadback.harness import fleet
-from lmcache_loadback.orchestrator.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE
+from lmcache_loadback.orchestrator.exit_codes import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+)
 from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.testing.redis import RedisCluster, RedisServer, RedisUnavailable, find_redis
 
@@ -153,6 +158,15 @@ def test_fleet_check_names_an_l2_server_that_does_not_answer(fleet_one_redis, ca
     assert rc == EXIT_UNAVAILABLE, out
     assert f"FAIL L2 unreachable: 127.0.0.1:{shared.port} (resp)" in out
     _assert_idle(a, b)
+
+
+def test_fleet_check_refuses_engines_naming_the_model_differently_before_any_call(capsys):
+    # no daemon at these ports: the refusal comes before anything is sent
+    rc = loadback(["fleet", "check", "127.0.0.1:1", "127.0.0.1:2", "--model-name", "llama",
+                   "--model-name", "llama-70b"])
+    assert rc == EXIT_FAILED
+    assert "FAIL model name: A's engines use 'llama', B's 'llama-70b'" in capsys.readouterr().out
+    assert loadback(["fleet", "check", "127.0.0.1:1", "nowhere", "--timeout-s", "0.2"]) == EXIT_USAGE
 
 
 @pytest.mark.skipif(not HAS_GLIDE, reason="the valkey adapter needs valkey-glide-sync "
