@@ -247,7 +247,7 @@ def print_table(summaries: dict[str, dict]) -> None:
         ("latency p50 (s)", "p50_s"), ("latency p99 (s)", "p99_s"), ("latency max (s)", "max_s"),
         ("storage hits before the kill", "hits_before_kill"),
         ("storage hits after the restart", "hits_after_restart"),
-        ("recovery: daemon serving -> first hit (s)", "recovery_s"),
+        ("recovery: serving -> first hit (s)", "recovery_s"),
         ("outputs identical per prompt", "outputs_identical"),
         ("server start (s)", "server_start_s"),
         ("scheduler in backend p50 (ms)", "sched_wait_p50_ms"),

@@ -152,7 +152,7 @@ ROWS = (("requests", "requests"), ("completed", "completed"), ("failed or timed 
         ("latency p50, computed (s)", "miss_p50_s"),
         ("requests with a hit before the kill", "hits_before_kill"),
         ("requests with a hit after the restart", "hits_after_restart"),
-        ("recovery: daemon serving -> first hit (s)", "recovery_s"),
+        ("recovery: serving -> first hit (s)", "recovery_s"),
         ("outputs identical per prompt", "outputs_identical"),
         ("server start (s)", "server_start_s"))
 
