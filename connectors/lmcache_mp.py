@@ -22,6 +22,7 @@ from .kv_layout import KVLayout
 from .mp_lookup import LookupCalls
 from .mp_retrieve import RetrieveCalls
 from .mp_store import StoreCalls
+from .retrieval import Outstanding
 from .shm_pool import SegmentMapping, ShmPool, refuse_cuda_mla
 from .transport import ZmqTransport
 
@@ -73,7 +74,8 @@ class LMCacheMPConnector(LookupCalls, RetrieveCalls, StoreCalls, SegmentMapping)
         size); `writer`: False on a rank whose stores another rank makes for it."""
         if transfer not in ("auto", "pickle", "shm"):
             raise ValueError(f"transfer must be 'auto', 'pickle' or 'shm', got {transfer!r}")
-        if device is not None and torch.device(device).type == "cuda":
+        cuda = device is not None and torch.device(device).type == "cuda"
+        if cuda:
             refuse_cuda_mla(layout)
         self.endpoint = endpoint
         self.layout = layout
@@ -85,9 +87,7 @@ class LMCacheMPConnector(LookupCalls, RetrieveCalls, StoreCalls, SegmentMapping)
         self.transfer: str = "pickle" if transfer == "auto" else transfer
         self._logged_transfer: str | None = None
         self.gpu_sync = gpu_sync
-        self._gpu: GpuTransfer | None = None
-        if device is not None and torch.device(device).type == "cuda":
-            self._gpu = GpuTransfer(device, sync=gpu_sync)
+        self._gpu: GpuTransfer | None = GpuTransfer(device, sync=gpu_sync) if cuda else None
         #: Readers of each stored object: 1 when every rank holds its own shard of the KV,
         #: the TP size for TP-replicated MLA (a LOOKUP then read-locks once per rank).
         self.num_kv_readers = num_kv_readers
@@ -109,6 +109,7 @@ class LMCacheMPConnector(LookupCalls, RetrieveCalls, StoreCalls, SegmentMapping)
         self.prepare_in_pieces = False
         #: Tests only: n_chunks -> pieces of a prepare (its first at match, the rest in the load).
         self.force_prepare_pieces: Callable[[int], list[int]] | None = None
+        self.outstanding = Outstanding()  #: ranges whose shm prepare_retrieve is outstanding
 
     @property
     def chunk_size(self) -> int:

@@ -78,24 +78,50 @@ class RetrieveCalls:
         served later, it parks the range's read locks (shm) until a commit_retrieve of the
         same key. Paid after the daemon answered the abandoned call, the commit releases
         them; if it was never served, or refused, the commit finds no transfer and releases
-        nothing (in pickle mode it never does). Not sent (DaemonUnavailable) or refused
+        nothing (in pickle mode it never does). Not sent (DaemonUnavailable, or
+        TransferBusy: the same range is outstanding from this instance) or refused
         (DaemonRejected): the locks stay the lookup's, nothing is recorded."""
-        commit = self._owed_commit(key)
+        deadline = time.monotonic() + timeout_s
+        claim = self._claim_identity(key, timeout_s)
+        commit = self._owed_commit(key, claim)
+        due = None if claim is None else lambda: self.outstanding.mark_due(
+            self._identity(key), claim)
         try:
-            reply = self._call("prepare_retrieve", [key, self.instance_id], timeout_s,
+            reply = self._call("prepare_retrieve", [key, self.instance_id],
+                               max(0.0, deadline - time.monotonic()),
                                request_id=key.request_id)
         except (DaemonUnavailable, DaemonRejected):
+            self._release_identity(key, claim)
             raise
         except BaseException:
-            retrieval.asked(key.end, commit)  # sent: the daemon may serve it still
+            retrieval.asked(key.end, commit, due)  # sent: the daemon may serve it still
             raise
         if reply is None or not reply.success:
+            self._release_identity(key, claim)  # refused: the daemon parked nothing
             raise DaemonRejected(
                 f"prepare_retrieve [{key.start}, {key.end}) refused: the lookup locks are gone "
                 "(expired, freed, or the daemon restarted)"
             )
-        retrieval.asked(key.end, commit)
+        retrieval.asked(key.end, commit, due)
         return self._validated_chunks(reply, n_chunks)
+
+    @staticmethod
+    def _identity(key: wire.CacheKey) -> tuple:
+        """The fields 0.5.6's key equality compares (request_id and the readers are not)."""
+        return (key.model_name, key.world_size, key.worker_id, key.token_ids, key.start,
+                key.end, key.cache_salt)
+
+    def _claim_identity(self, key: wire.CacheKey, wait_s: float) -> object | None:
+        """Shared memory only (pickle parks nothing): mark the key outstanding until its
+        commit is answered, or raise TransferBusy (`Outstanding`: waits up to `wait_s` only
+        for a commit already handed over)."""
+        if self.transfer != "shm":
+            return None
+        return self.outstanding.claim(self._identity(key), self.epoch, wait_s)
+
+    def _release_identity(self, key: wire.CacheKey, claim: object | None) -> None:
+        if claim is not None:
+            self.outstanding.release(self._identity(key), claim)
 
     def retrieve_into(
         self,
@@ -281,15 +307,18 @@ class RetrieveCalls:
                         pool_size=pool.num_slots)
         check_slots(self.layout, slots[head:], len(slots) - head, pool_size=pool.num_slots)
 
-    def _owed_commit(self, key: wire.CacheKey) -> Callable[[float], bool]:
+    def _owed_commit(self, key: wire.CacheKey,
+                     claim: object | None = None) -> Callable[[float], bool]:
         """commit_retrieve for `key`, unsent: releases the daemon's buffer and read locks
         (shm) once paid. An answered commit is paid whatever it says: 0.5.6 answers
         True even for a transfer it never created (an abandoned prepare never served, or
-        refused), and a refusal would be no different sent again."""
+        refused), and a refusal would be no different sent again. Answered, it ends the
+        key's `claim` (one that raised may still be served: the key stays outstanding)."""
 
         def commit(timeout_s: float) -> bool:
             ok = self._call("commit_retrieve", [key, self.instance_id], timeout_s,
                             request_id=key.request_id)
+            self._release_identity(key, claim)
             if self.transfer == "shm" and not ok:
                 log.debug("commit_retrieve [%d, %d) of %s refused: nothing to release",
                           key.start, key.end, key.request_id)

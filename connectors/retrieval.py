@@ -6,7 +6,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
+
+from .errors import ConnectorError
 
 #: An owed release, paid as `pay(timeout_s)`.
 Release = Callable[[float], object]
@@ -20,6 +22,8 @@ class Owed:
     start: int
     end: int
     pay: Release
+    #: Told when the step is handed over to be paid (`Outstanding.mark_due`).
+    due: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return f"{self.what}[{self.start}, {self.end})"
@@ -64,15 +68,16 @@ class Retrieval:
 
     # -- what the connector records, as calls go out ---------------------------------
 
-    def asked(self, end: int, commit: Release | None) -> None:
+    def asked(self, end: int, commit: Release | None,
+              due: Callable[[], None] | None = None) -> None:
         """A prepare_retrieve of [asked_to, end) reached the daemon, or may still: the
         lookup's locks on it moved to a daemon transfer that `commit` releases (None: the
-        daemon is owed nothing for it)."""
+        daemon is owed nothing for it); `due` is told when the commit is handed over."""
         self._open()
         if not self.asked_to < end <= self.end:
             raise ValueError(f"asked up to {end}, outside ({self.asked_to}, {self.end}]")
         if commit is not None:
-            self._owed.append(Owed("commit_retrieve", self.asked_to, end, commit))
+            self._owed.append(Owed("commit_retrieve", self.asked_to, end, commit, due))
         self.asked_to = end
 
     def owe(self, what: str, start: int, end: int, pay: Release) -> None:
@@ -127,6 +132,9 @@ class Retrieval:
         if first:
             with self._lock:
                 self._fix_rest()
+                for step in self._owed:
+                    if step.due is not None:
+                        step.due()
         return first and self.owes
 
     def release(self, timeout_s: float) -> bool:
@@ -217,3 +225,72 @@ class CommitBehind:
         except Exception:  # noqa: BLE001 - stays owed; the release pays it off the path
             self.failed = True
             return 0
+
+
+class TransferBusy(ConnectorError):
+    """A prepare_retrieve not sent: this instance has one of the same key identity
+    outstanding (`Outstanding`). Nothing moved: the lookup's locks are still the caller's."""
+
+
+class Outstanding:
+    """The key identities this registered instance has a shared-memory prepare_retrieve
+    outstanding for: from just before it is sent until its commit_retrieve was answered.
+
+    lmcache 0.5.6 parks a prepared retrieve's read locks under (instance, key), and its key
+    equality leaves out request_id: a second prepare of one identity would overwrite the
+    first's entry (its locks orphaned until the read TTL) and the first commit would release
+    the second's while it copies. So a second claim raises `TransferBusy` at once while the
+    first's commit is not yet due (its load may still be queued: waiting would spend the
+    caller's deadline for nothing), and waits up to `wait_s` for it once it is due (handed
+    over to be paid: a range released and asked for again). An entry of another daemon
+    incarnation (`epoch`) is gone with it: a claim on a new epoch drops them all. One whose
+    commit was given up stops counting after `max_age_s` (the daemon's read TTL ends its
+    locks by then). Thread-safe; holds only what is outstanding.
+    """
+
+    def __init__(self, max_age_s: float = 300.0, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._epoch: int | None = None
+        self._held: dict[Hashable, list] = {}  # identity -> [claim, since, due]
+        self._changed = threading.Condition()
+
+    def claim(self, identity: Hashable, epoch: int, wait_s: float = 0.0) -> object:
+        """Mark `identity` outstanding on incarnation `epoch`; the claim `release` takes.
+        Raises TransferBusy when it is outstanding already (after up to `wait_s` if due)."""
+        deadline = time.monotonic() + wait_s
+        with self._changed:
+            if epoch != self._epoch:  # the old incarnation's transfers are gone with it
+                self._epoch, self._held = epoch, {}
+            while True:
+                held = self._held.get(identity)
+                if held is None or self._clock() - held[1] >= self.max_age_s:
+                    break
+                left = deadline - time.monotonic()
+                if not held[2] or left <= 0:
+                    raise TransferBusy("a prepare_retrieve of the same range is outstanding "
+                                       "from this instance (another request of this prefix)")
+                self._changed.wait(left)
+            claim = object()
+            self._held[identity] = [claim, self._clock(), False]
+            return claim
+
+    def mark_due(self, identity: Hashable, claim: object) -> None:
+        """`claim`'s commit was handed over to be paid: a claim of it may wait for it."""
+        with self._changed:
+            held = self._held.get(identity)
+            if held is not None and held[0] is claim:
+                held[2] = True
+
+    def release(self, identity: Hashable, claim: object) -> None:
+        """`claim` ended (its commit answered, or its prepare never sent or refused)."""
+        with self._changed:
+            held = self._held.get(identity)
+            if held is not None and held[0] is claim:
+                del self._held[identity]
+                self._changed.notify_all()
+
+    def __len__(self) -> int:
+        with self._changed:
+            return len(self._held)

@@ -13,6 +13,7 @@ from lmcache_loadback.connectors.errors import (
     ProtocolError,
     ShortRead,
 )
+from lmcache_loadback.connectors.retrieval import TransferBusy
 
 from .states import DegradeReason
 
@@ -48,6 +49,8 @@ FAILURES: list[tuple[str, type[ConnectorError], Outcome]] = [
     ("lookup", ConnectorError, Outcome(DegradeReason.LOOKUP_ERROR)),
     ("retrieve", DaemonTimeout,
      Outcome(DegradeReason.RETRIEVE_TIMEOUT, timeout_op="retrieve", suspect=True)),
+    # Not sent: the daemon is fine, only this range is another request's until its commit.
+    ("retrieve", TransferBusy, Outcome(DegradeReason.TRANSFER_BUSY, breaker_ok=True)),
     ("retrieve", ShortRead, Outcome(DegradeReason.SHORT_READ, suspect=True)),
     ("retrieve", ProtocolError, Outcome(DegradeReason.CORRUPT_DATA, suspect=True)),
     ("retrieve", ConnectorError, Outcome(DegradeReason.RETRIEVE_ERROR, suspect=True)),

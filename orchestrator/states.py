@@ -42,6 +42,7 @@ class DegradeReason(str, enum.Enum):
     ABORTED = "aborted"         # the engine aborted the request
     UNUSED = "unused"           # the request finished without loading what was promised
     LEASE_EXPIRED = "lease_expired"  # promised past lease_max_age_ms: the locks may be gone
+    TRANSFER_BUSY = "transfer_busy"  # the same range is prepared for another request already
     CLOSED = "closed"
 
 
