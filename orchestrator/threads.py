@@ -1,7 +1,8 @@
 """`WorkerThread`: one daemon thread an engine's own thread submits jobs to and never waits
-on (SGLang's LOOKUP and store workers, vLLM's store thread). A worker outlives anything a job
-does: every job completes on every path, and a thread that died all the same is counted and
-replaced where the engine's thread next touches it (`ensure_alive`).
+on (the engines' LOOKUPs, `lookups.AsyncLookups`; SGLang's store worker, vLLM's store
+thread). A worker outlives anything a job does: every job completes on every path, and a
+thread that died all the same is counted and replaced where the engine's thread next touches
+it (`ensure_alive`). In the core so that both engines share it (the core imports no engine).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The 0.5.23 scheduler's storage surface of LoadBackRadixCache (`--enable-lmcache`): prefetch,
-poll, report. None of these may block: the LOOKUP runs on the cache's LookupWorker. A mixin
-only because SGLang calls these methods on the cache object itself.
+poll, report. None of these may block: the LOOKUP runs on the core's `AsyncLookups` (the
+cache's `_worker`). A mixin only because SGLang calls these methods on the cache object itself.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from array import array
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from .promises import Lookup, Promise
+from .promises import Promise
 
 log = logging.getLogger("loadback.hook")
 
@@ -39,16 +39,18 @@ class PrefetchHooks:
         worker already holds its bound of LOOKUPs (the request recomputes)."""
         self._drop(handle, abort=True)
         ids = array("q", key.raw_token_ids()[: len(key)])
-        if len(ids) - device_len < self.chunk_size or not self._worker.has_room(handle):
+        if len(ids) - device_len < self.chunk_size:
             return False
         p = Promise(self._next_id(handle), ids, salt, device_len, relookups=relookups,
                      key=RadixKey(array("q", ids), key.extra_key, cache_salt=key.cache_salt))
         budget = self.config.deadlines.lookup_ms / 1000
         if self.config.prepare_at_match:  # match may also prepare the retrieve (shm)
             budget += self.config.deadlines.retrieve_s(len(ids) - device_len)
-        job = Lookup(p, deadline=time.monotonic() + budget + 0.05)
+        job = self._worker.submit(p.request_id, p.token_ids, device_len, salt,
+                                  time.monotonic() + budget + 0.05, record=p)
+        if job.skipped:
+            return False
         self._lookups[handle] = job
-        self._worker.submit(job)
         return True
 
     def check_prefetch_progress(self, handle) -> bool:
@@ -66,13 +68,13 @@ class PrefetchHooks:
                     return not self._submit(handle, p.key, p.salt, device_len,
                                             relookups=p.relookups + 1)
             return True
-        tokens = self._worker.resolve(job, time.monotonic())
+        tokens = self._worker.answer(job)
         if tokens is None:
             return False
         del self._lookups[handle]
-        job.promise.tokens = tokens
-        self._promises[handle] = job.promise
-        self._checked(handle, job.promise)
+        job.record.tokens = tokens
+        self._promises[handle] = job.record
+        self._checked(handle, job.record)
         return True
 
     def terminate_prefetch(self, handle) -> None:

@@ -1,21 +1,19 @@
-"""A request's promise from the daemon, and the worker threads (LOOKUP for 0.5.23, STORE) the
-scheduler thread submits to and polls, never waits on. A worker outlives anything a job does:
-every job completes on every path, and a thread that died all the same is replaced where the
-scheduler thread next touches it (`WorkerThread.ensure_alive`). Queue depths are exported as
-gauges.
+"""A request's promise from the daemon, and the STORE worker the scheduler thread submits to
+and polls, never waits on (0.5.23's LOOKUPs run on the core's `AsyncLookups`). A worker
+outlives anything a job does: every job completes on every path, and a thread that died all
+the same is replaced where the scheduler thread next touches it (`WorkerThread.ensure_alive`).
+Queue depths are exported as gauges.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import threading
-import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ..threads import WorkerThread
+from lmcache_loadback.orchestrator.threads import WorkerThread
 
 log = logging.getLogger("loadback.hook")
 
@@ -32,74 +30,6 @@ class Promise:
     loaded: int = 0
     key: Any = None           # detached RadixKey snapshot for the node load_back attaches
     relookups: int = 0
-
-
-@dataclass(eq=False)
-class Lookup:
-    """A LOOKUP handed to the worker (0.5.23); resolved by the worker or by its deadline."""
-
-    promise: Promise
-    deadline: float
-    done: threading.Event = field(default_factory=threading.Event)
-    tokens: int = 0
-    abandoned: bool = False   # resolved as a miss at its deadline: the worker releases it
-
-
-class LookupWorker(WorkerThread):
-    """One thread per cache running `match()`: the scheduler thread only polls."""
-
-    name = "loadback-lookup"
-
-    def __init__(self, orch, *, max_queued: int = 256) -> None:
-        super().__init__(orch, max_queued=max_queued)
-        self.expired = 0     # jobs dropped at dequeue, past their deadline or abandoned
-
-    def _count_skipped(self) -> None:
-        if self.metrics is not None:  # the request goes without a LOOKUP: it recomputes
-            self.metrics.observe_lookup(None, "skipped")
-
-    def submit(self, job: Lookup) -> None:
-        self._queue(job)
-
-    def _serve(self, job: Lookup) -> None:
-        p = job.promise
-        tokens, ran = 0, False
-        try:
-            with self._lock:
-                # Past its deadline the answer is a miss whatever the daemon says: no
-                # LOOKUP (nor prepare_retrieve) pins the daemon's memory for it.
-                skip = job.abandoned or time.monotonic() >= job.deadline
-            if skip:
-                self.expired += 1
-                log.debug("lookup %s not sent: past its deadline or dropped", p.request_id)
-            else:
-                ran = True
-                tokens = self.orch.match(p.request_id, p.token_ids,
-                                         local_hit_tokens=p.local_tokens,
-                                         cache_salt=p.salt).tokens
-        except Exception:  # a daemon failure must not kill the worker
-            log.exception("lookup %s failed", p.request_id)
-        finally:
-            with self._lock:
-                job.tokens = tokens
-                late = ran and job.abandoned
-                job.done.set()
-            self._completed()
-            if late:  # answered after its deadline: this thread releases it
-                self._call("releasing late lookup", self.orch.abort, p.request_id)
-
-    def resolve(self, job: Lookup, now: float) -> int | None:
-        """Tokens promised, or None while the LOOKUP may still answer in time."""
-        self.ensure_alive()
-        with self._lock:
-            if job.abandoned:
-                return 0  # a miss for good: the worker releases whatever it got
-            if job.done.is_set():
-                return job.tokens
-            if now < job.deadline:
-                return None
-            job.abandoned = True
-            return 0
 
 
 @dataclass(eq=False)

@@ -1,7 +1,8 @@
 """LoadBackRadixCache: SGLang's RadixCache with this product's two-phase load-back, called by
-SGLang's scheduler thread (0.5.20: LOOKUP in `match_prefix`; 0.5.23: on the LookupWorker from
-`prefetch_from_storage`, polled, never waited for). Never: a daemon failure's exception in the
-scheduler, a wait past a deadline, a slot or tree lock leaked, a promise answered stale.
+SGLang's scheduler thread (0.5.20: LOOKUP in `match_prefix`; 0.5.23: on the core's
+AsyncLookups from `prefetch_from_storage`, polled, never waited for). Never: a daemon
+failure's exception in the scheduler, a wait past a deadline, a slot or tree lock leaked, a
+promise answered stale.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from lmcache_loadback.orchestrator.lookups import AsyncLookups, Lookup
 from lmcache_loadback.orchestrator.states import DegradeReason
 
 from . import compat, pools
 from .contract import Orchestrator
 from .prefetch import PrefetchHooks
-from .promises import Lookup, LookupWorker, Promise, StoreJob, StoreWorker
+from .promises import Promise, StoreJob, StoreWorker
 from .stores import StoreHooks
 
 log = logging.getLogger("loadback.hook")
@@ -72,7 +74,7 @@ class LoadBackRadixCache(PrefetchHooks, StoreHooks, RadixCache):
         # LOOKUP runs on the scheduler thread (bounded by deadlines.lookup_ms).
         if async_lookups is None:
             async_lookups = self.shim.prefix_len_api and tp_size == 1
-        self._worker = LookupWorker(self.orch) if async_lookups else None
+        self._worker = AsyncLookups(self.orch) if async_lookups else None
         self._store_worker = StoreWorker(self.orch)
         self._ids = 0
         self._id_lock = threading.Lock()
@@ -124,7 +126,7 @@ class LoadBackRadixCache(PrefetchHooks, StoreHooks, RadixCache):
     def close(self) -> None:
         if self._worker is not None:
             for job in self._lookups.values():
-                self._worker.resolve(job, float("inf"))  # queued LOOKUPs are not sent
+                self._worker.abandon(job)  # queued LOOKUPs are not sent
             self._worker.close()
             self._worker = None
         if self._store_worker is not None:
@@ -199,9 +201,9 @@ class LoadBackRadixCache(PrefetchHooks, StoreHooks, RadixCache):
             return p  # the session ends behind the store in flight
         lookup = self._lookups.pop(handle, None)
         if lookup is not None:
-            if self._worker.resolve(lookup, float("inf")) is None or lookup.abandoned:
+            if not self._worker.abandon(lookup):
                 return p  # the worker releases a LOOKUP still in flight itself
-            p = p or lookup.promise
+            p = p or lookup.record
         if p is not None:
             try:
                 (self.orch.abort if abort else self.orch.finish)(p.request_id)
@@ -233,15 +235,13 @@ class LoadBackRadixCache(PrefetchHooks, StoreHooks, RadixCache):
         salt = self._salt(key.extra_key, key.cache_salt)
         job = self._lookups.get(handle)
         if job is not None:  # 0.5.23: answered (or timed out) in check_prefetch_progress
-            tokens = self._worker.resolve(job, time.monotonic())
+            tokens = self._worker.answer(job)
             if tokens is None:
                 return 0
             self._lookups.pop(handle)
-            # What resolve answered, never job.tokens: a LOOKUP resolved as a miss at its
-            # deadline is filled in later by the worker, which releases it.
-            job.promise.tokens = tokens
-            self._promises[handle] = job.promise
-            self._checked(handle, job.promise)
+            job.record.tokens = tokens
+            self._promises[handle] = job.record
+            self._checked(handle, job.record)
         p = self._promises.get(handle)
         if p is None:
             self._drop_other_attempts(handle)

@@ -5,44 +5,54 @@ what each step ships to the worker, releases (docs/vllm.md, "Scheduler side").
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from lmcache_loadback.metrics import start_metrics_server
 from lmcache_loadback.orchestrator.factory import create_orchestrator
+from lmcache_loadback.orchestrator.lookups import AsyncLookups, Lookup
 
 from .meta import LoadBackMeta, LoadOp, StoreOp
 from .settings import Settings
 
 log = logging.getLogger("loadback.vllm")
 
-#: LOOKUPs waiting for the worker thread at most; past it a request recomputes (a skipped
-#: LOOKUP) rather than queueing behind a daemon that does not answer
+#: LOOKUPs waiting for the worker thread at most (the one it runs besides); past it a request
+#: recomputes (a skipped LOOKUP) rather than queueing behind a daemon that does not answer
 MAX_QUEUED_LOOKUPS = 256
 
 
 @dataclass(eq=False)
 class Ask:
-    """One request's LOOKUP against one local hit; answered by the worker thread or by its
-    deadline (a miss)."""
+    """One request's LOOKUP against one local hit, under an attempt-numbered session
+    (`{rid}#ask{n}`); answered by the core's `AsyncLookups` or by its deadline (a miss)."""
 
-    session: str
-    local: int
+    lookup: Lookup
     end: int                  # the prompt tokens the LOOKUP covers (never the whole prompt)
-    deadline: float
-    salt: str = ""            # vLLM's cache_salt: KV of another salt is never shared
     asked_at: float = 0.0     # the orchestrator's clock when it was queued (its lease's age)
-    tokens: int = 0           # tokens to load beyond `local` (0: recompute)
-    done: bool = False
-    abandoned: bool = False   # nobody reads its answer: the worker thread releases it
     used: bool = False        # its load was allocated
     released: bool = False    # its LOOKUP's locks and session were given back or handed off
-    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def session(self) -> str:
+        return self.lookup.request_id
+
+    @property
+    def local(self) -> int:
+        return self.lookup.local_tokens
+
+    @property
+    def tokens(self) -> int:
+        """Tokens to load beyond `local` once answered in time (0: recompute, not answered,
+        or answered late)."""
+        return 0 if self.lookup.abandoned else self.lookup.tokens
+
+    @property
+    def done(self) -> bool:
+        return self.lookup.done.is_set()
 
 
 @dataclass(eq=False)
@@ -99,11 +109,10 @@ class SchedulerSide:
         self._load_blocks: dict[str, set[int]] = {}       # rid -> blocks of its load
         self._tracks: dict[str, Track] = {}
         self._step = 0
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name="loadback-vllm-lookup",
-                                        daemon=True)
-        self._thread.start()
+        # A miss's session ends on the LOOKUP thread at once: only hits are released here.
+        self.lookups = AsyncLookups(self.orch, max_queued=MAX_QUEUED_LOOKUPS + 1,
+                                    name="loadback-vllm-lookup", end_misses=True)
 
     # ------------------------------------------------------------ vLLM calls
 
@@ -128,13 +137,7 @@ class SchedulerSide:
             return 0, False
         if ask is None:
             ask = self._submit(rid, list(toks[:end]), num_computed_tokens, end, salt)
-        with ask.lock:
-            if not ask.done and time.monotonic() >= ask.deadline:
-                ask.done, ask.abandoned, ask.tokens = True, True, 0
-                log.debug("%s: LOOKUP not answered within its deadline: recompute", rid)
-            if not ask.done:
-                return None, False
-            return ask.tokens, False
+        return self.lookups.answer(ask.lookup), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -207,8 +210,7 @@ class SchedulerSide:
         self._closed = True
         for rid in list(self._asks):
             self._drop(rid)
-        self._q.put(None)
-        self._thread.join(timeout=5)
+        self.lookups.close(timeout_s=5)
         self.orch.close()
 
     # ------------------------------------------------------------- plumbing
@@ -217,44 +219,12 @@ class SchedulerSide:
         attempt = self._attempts.get(rid, 0) + 1
         self._attempts[rid] = attempt
         budget = self.orch.config.deadlines.lookup_ms / 1000
-        ask = Ask(f"{rid}#ask{attempt}", local, end, time.monotonic() + budget, salt,
-                  asked_at=self.orch.clock())
-        self._asks[rid] = ask
-        if self._q.qsize() >= MAX_QUEUED_LOOKUPS:
-            ask.done = ask.released = True  # a miss, nothing taken on the daemon
-            self.orch.metrics.observe_lookup(None, "skipped")
-            return ask
-        self._q.put((ask, token_ids))
+        asked_at = self.orch.clock()
+        lookup = self.lookups.submit(f"{rid}#ask{attempt}", token_ids, local, salt,
+                                     time.monotonic() + budget)
+        # A skipped LOOKUP is a miss that took nothing on the daemon.
+        ask = self._asks[rid] = Ask(lookup, end, asked_at, released=lookup.skipped)
         return ask
-
-    def _serve(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            ask, token_ids = item
-            with ask.lock:
-                if not ask.done and time.monotonic() >= ask.deadline:
-                    ask.done = ask.abandoned = True  # expired while queued: a miss
-                if ask.abandoned:
-                    continue  # answered as a miss before it started: nothing taken
-            tokens = 0
-            try:
-                tokens = self.orch.match(ask.session, token_ids, local_hit_tokens=ask.local,
-                                         cache_salt=ask.salt).tokens
-            except Exception:  # noqa: BLE001 - never let the thread die; recompute instead
-                log.exception("%s: match failed; recomputing", ask.session)
-            with ask.lock:
-                late = ask.abandoned
-                if not late:
-                    ask.tokens, ask.done = tokens, True
-            try:
-                if late:
-                    self.orch.abort(ask.session)
-                elif tokens == 0:
-                    self.orch.finish(ask.session)  # a miss: end the session
-            except Exception:  # noqa: BLE001
-                log.exception("%s: release failed", ask.session)
 
     def _aged(self, ask: Ask) -> bool:
         """A hit not loaded yet whose LOOKUP is older than lease_max_age_ms: never served
@@ -268,12 +238,7 @@ class SchedulerSide:
         """Forget the request's ask; release what its LOOKUP holds (here, or by the worker
         thread if it is still running)."""
         ask = self._asks.pop(rid, None)
-        if ask is None:
-            return
-        with ask.lock:
-            running = not ask.done
-            ask.done = ask.abandoned = True
-        if not running and ask.tokens > 0:
+        if ask is not None and self.lookups.abandon(ask.lookup) and ask.tokens > 0:
             self._release(rid, ask)
 
     def _hand_off(self, rid: str, op: LoadOp) -> bool:

@@ -12,7 +12,7 @@ from typing import Sequence
 import msgspec
 import torch
 
-from lmcache_loadback.engines.threads import WorkerThread
+from lmcache_loadback.orchestrator.threads import WorkerThread
 from lmcache_loadback.orchestrator.factory import create_orchestrator
 from lmcache_loadback.orchestrator.states import DegradeReason
 

@@ -258,7 +258,7 @@ def test_lookup_answered_after_its_deadline_stays_a_miss():
     once its answer arrives; the worker releases that late answer (abort)."""
     import threading
 
-    from lmcache_loadback.engines.sglang.promises import Lookup, LookupWorker, Promise
+    from lmcache_loadback.orchestrator.lookups import AsyncLookups
 
     asked, answer = threading.Event(), threading.Event()
     aborted = []
@@ -276,19 +276,18 @@ def test_lookup_answered_after_its_deadline_stays_a_miss():
         def abort(self, request_id):
             aborted.append(request_id)
 
-    worker = LookupWorker(SlowOrchestrator())
+    worker = AsyncLookups(SlowOrchestrator())
     try:
         # A deadline still ahead when the worker dequeues it (a job already past its deadline
         # is never sent); the scheduler's passes below are at and after it.
-        job = Lookup(Promise("r#0.1", array("q", range(64)), "", 0),
-                     deadline=time.monotonic() + 60)
-        worker.submit(job)
+        job = worker.submit("r#0.1", array("q", range(64)), 0, "",
+                            deadline=time.monotonic() + 60)
         assert asked.wait(10)                             # the LOOKUP is in flight
-        assert worker.resolve(job, now=job.deadline) == 0  # at its deadline: a miss
+        assert worker.answer(job, now=job.deadline) == 0  # at its deadline: a miss
         answer.set()
         assert job.done.wait(10)
         wait_for(lambda: aborted == ["r#0.1"], 10, "the late answer released")
-        assert worker.resolve(job, now=job.deadline + 1) == 0  # still a miss, never 64
+        assert worker.answer(job, now=job.deadline + 1) == 0  # still a miss, never 64
     finally:
         worker.close()
 

@@ -176,23 +176,24 @@ def test_miss_at_deadline_never_becomes_a_live_promise(live_daemon, make_cache, 
     gate = Gate(LOOKUP_THREAD)
     hold_after(orch, "match", gate)              # the real match answered a hit, then stops
     worker = cache._worker
-    real_resolve = worker.resolve
+    real_answer = worker.answer
 
-    def resolve_at_deadline(job, now):
-        got = real_resolve(job, max(now, job.deadline))  # this pass is at the deadline
+    def answer_at_deadline(job, now=None):
+        now = time.monotonic() if now is None else now
+        got = real_answer(job, max(now, job.deadline))  # this pass is at the deadline
         if got == 0 and job.abandoned:
             gate.go.set()                        # ... and the worker's answer lands now
             assert job.done.wait(10)
             assert job.tokens == 4 * CHUNK
         return got
 
-    worker.resolve = resolve_at_deadline
+    worker.answer = answer_at_deadline
     before = outcomes(orch)
     b = s.new_req("b", ids + [5])
     s.prefetch(b)
     gate.wait_reached()
     assert s.match(b).host_hit_length == 0       # not the late hit
-    worker.resolve = real_resolve
+    worker.answer = real_answer
     got = s.admit(b, prefetch=False)
     assert got["loaded"] == 0 and got["host_hit"] == 0
     s.finish(b)

@@ -307,20 +307,20 @@ def test_a_hung_daemon_never_holds_up_the_forward_loop(engine, daemon):
 def test_lookups_queued_behind_a_stopped_daemon_are_bounded(engine, daemon, monkeypatch):
     """Past MAX_QUEUED_LOOKUPS a new request is a miss at once (a skipped LOOKUP), not one
     more LOOKUP queued behind a daemon that does not answer."""
-    from lmcache_loadback.engines.vllm import scheduler as sched_mod
-
-    monkeypatch.setattr(sched_mod, "MAX_QUEUED_LOOKUPS", 2)
     side = engine.sched.scheduler
+    # MAX_QUEUED_LOOKUPS 2: two waiting besides the one the LOOKUP thread runs
+    monkeypatch.setattr(side.lookups, "max_queued", 2 + 1)
     skipped = side.orch.metrics._lookups["skipped"]._value.get()
     daemon.pause()
     try:
         first = engine.request("q0", PROMPT)
         assert engine.sched.get_num_new_matched_tokens(first, 0) == (None, False)
-        wait_until(lambda: side._q.qsize() == 0, what="the worker thread taking q0's LOOKUP")
+        wait_until(lambda: side.lookups._q.qsize() == 0,
+                   what="the worker thread taking q0's LOOKUP")
         for rid in ("q1", "q2"):  # queued behind q0's LOOKUP
             assert engine.sched.get_num_new_matched_tokens(
                 engine.request(rid, PROMPT), 0) == (None, False)
-        assert side._q.qsize() == 2
+        assert side.lookups._q.qsize() == 2
         over = engine.request("q3", PROMPT)
         assert engine.sched.get_num_new_matched_tokens(over, 0) == (0, False)
         assert side.orch.metrics._lookups["skipped"]._value.get() == skipped + 1
