@@ -90,7 +90,8 @@ prometheus-tools:
 # redis-server and redis-cli for tests/integration/test_fleet_l2.py (the L2 store daemons
 # share): installed here, once, only when missing (Debian's package; its own service is not
 # started), never from inside a test.
-redis-tools:
+# After prometheus-tools: two apt-get runs side by side (make -j4) would fight over apt's locks.
+redis-tools: prometheus-tools
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { \
 	  apt-get -o DPkg::Lock::Timeout=60 update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=60 install -y -qq \
