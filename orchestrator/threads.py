@@ -34,6 +34,7 @@ class WorkerThread:
         self.orch = orch
         #: The orchestrator's LoadbackMetrics (None: an orchestrator that exports none).
         self.metrics = orch.metrics
+        # bounded by the owner: submit refuses (counts a skip) at max_queued held jobs
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False

@@ -58,6 +58,7 @@ class StoreWorker(WorkerThread):
     queue = "store"
 
     def __init__(self, orch, *, max_queued: int = 64) -> None:
+        # bounded: a job is admitted only below max_queued (`admitted`, counted until drained)
         self.completed: queue.SimpleQueue = queue.SimpleQueue()
         #: Stores admitted and not yet drained (scheduler thread only). A store that went
         #: through keeps its tree lock until the scheduler thread drains it, so it counts

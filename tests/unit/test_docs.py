@@ -340,7 +340,6 @@ def test_every_daemon_line_is_one_lmcache_0_5_6_starts_with():
     server arguments, and a whole line (no `...`) gives the daemon every flag it requires."""
     import argparse
 
-    pytest.importorskip("lmcache")
     from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
     from lmcache.v1.mp_observability.config import add_observability_args
     from lmcache.v1.multiprocess.config import add_coordinator_args, add_mp_server_args
