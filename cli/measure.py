@@ -67,7 +67,7 @@ def add_chaos(sub) -> None:
                     "engine makes this many")
     cr.add_argument("--engines", type=_engines_arg, default=1, metavar="N",
                     help="engines sharing the one daemon (1..32, default 1), each with its own "
-                    "connector, orchestrator, metrics and KV pool, on its own thread; every "
+                    "connector, orchestrator, metrics and KV pool, in its own process; every "
                     "round all N issue a request at the same instant (a burst)")
     cr.add_argument("--json", metavar="FILE", help="also write every scenario's result")
     cr.set_defaults(fn=run_tool("lmcache_loadback.harness.chaos"))
