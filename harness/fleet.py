@@ -14,14 +14,16 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import torch
 
+from lmcache_loadback.connectors.daemon_settings import admin_call
 from lmcache_loadback.connectors.errors import ConnectorError
-from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
+from lmcache_loadback.connectors.kv_layout import KVLayout
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
+from lmcache_loadback.orchestrator.l2_canary import MARKER_LAYOUT as _LAYOUT
+from lmcache_loadback.orchestrator.l2_canary import marker
 from lmcache_loadback.orchestrator.exit_codes import (
     EXIT_FAILED,
     EXIT_OK,
@@ -37,8 +39,6 @@ __all__ = ["Finding", "check", "l2_stores", "run"]
 #: The marker's keys carry this salt (`...@<hash>@loadback-fleet-check`): never an engine's key.
 MARKER_SALT = "loadback-fleet-check"
 MARKER_CHUNKS = 2
-#: 2 layers x 1 head x 16 dim, bf16: the marker is tiny whatever the chunk size.
-_LAYOUT = dict(num_layers=2, num_heads=1, head_dim=16, dtype=torch.bfloat16)
 #: /config keys of an adapter that do not change which store it reads and writes.
 _NOT_IDENTITY = {"num_workers", "request_timeout", "connection_timeout", "affinity_tag",
                  "shared", "eviction_config", "persist_config", "serde_config",
@@ -97,8 +97,7 @@ def l2_stores(config: dict) -> list[L2Store]:
 
 def _get_config(admin: str, timeout_s: float) -> dict:
     host, port = _parse_daemon(admin)
-    with urllib.request.urlopen(f"http://{host}:{port}/config", timeout=timeout_s) as r:
-        return json.loads(r.read())
+    return admin_call(host, port, "/config", timeout_s)
 
 
 def _config_findings(names: tuple[str, str], admins: tuple[str, str], timeout_s: float
@@ -109,7 +108,7 @@ def _config_findings(names: tuple[str, str], admins: tuple[str, str], timeout_s:
     for name, admin in zip(names, admins):
         try:
             cfgs.append(_get_config(admin, timeout_s))
-        except (OSError, ValueError) as exc:
+        except ConnectorError as exc:
             return [Finding(False, f"daemon {name}'s admin API {admin}: /config unreadable "
                             f"({exc}); pass its --http-host:--http-port", EXIT_UNAVAILABLE)]
     hashes = [c.get("mp", {}).get("hash_algorithm") for c in cfgs]
@@ -179,16 +178,6 @@ def _release(side: _Side, rid: str, timeout_s: float) -> None:
         pass  # the daemon's session TTL ends it
 
 
-def _marker(chunk: int) -> tuple[list[int], KVPool]:
-    """Random tokens (a key no engine has) and their KV in slots [0, n); [n, 2n) receive."""
-    n = MARKER_CHUNKS * chunk
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    shape = (2 * n, _LAYOUT["num_heads"], _LAYOUT["head_dim"])
-    bufs = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2 * _LAYOUT["num_layers"])]
-    toks = torch.randint(0, 50000, (n,), generator=g).tolist()
-    return toks, KVPool(bufs[:_LAYOUT["num_layers"]], bufs[_LAYOUT["num_layers"]:])
-
-
 def _poll_hit(a: _Side, b: _Side, toks: list[int], tag: str, t0: float, wait_s: float,
               timeout_s: float) -> tuple[str, int] | Finding:
     """LOOKUP the marker through B until a full hit (its request id, the LOOKUPs it took:
@@ -222,7 +211,7 @@ def _share(a: _Side, b: _Side, wait_s: float, timeout_s: float) -> list[Finding]
     """STORE the marker through A, LOOKUP it through A (its L1: only L2's EXISTS can hang it),
     then through B until a full hit or `wait_s`, RETRIEVE and compare."""
     chunk = a.conn.chunk_size
-    toks, pool = _marker(chunk)
+    toks, pool = marker(chunk, MARKER_CHUNKS)
     n = len(toks)
     tag = f"fleet-{os.getpid()}-{time.monotonic_ns()}"
     for side in (a, b):

@@ -28,6 +28,7 @@ from .labels import (
     multiprocess_enabled,
     unknown_label,
 )
+from .l2_canary import CANARY_RESULTS, L2CanaryView
 from .operator_view import OperatorView, _Refresher
 
 __all__ = [
@@ -42,10 +43,11 @@ __all__ = [
     "TRANSFER_MODES",
     "multiprocess_enabled",
     "STORE_QUEUE_LIMIT",
+    "CANARY_RESULTS",
 ]
 
 
-class LoadbackMetrics(OperatorView):
+class LoadbackMetrics(OperatorView, L2CanaryView):
     """All `loadback_*` instruments, with every labelled child pre-created.
 
     Label values come from closed sets given to `__init__` (the orchestrator passes its own
@@ -75,6 +77,7 @@ class LoadbackMetrics(OperatorView):
         self._declare_daemon_calls(reg)
         self._declare_daemon_state(reg)
         self._declare_operator_view(reg)
+        self._declare_l2_canary(reg)
 
     def _setup_registry(self, registry: CollectorRegistry | None) -> CollectorRegistry | None:
         """Set `self.registry`; returns the registry instruments register in (None: none).

@@ -95,6 +95,19 @@ class InProcess(_Section):
     chunk_size: Annotated[int, Meta(gt=0, description="tokens per cached chunk")] = 256
 
 
+class L2(_Section):
+    """The daemon's L2 store (its --l2-adapter), which the daemons of a fleet share."""
+
+    # every this often, off the request path, store a marker prefix through the daemon, drop
+    # its L1 copy and load it back from L2 (the resp adapter loses stores silently); 0: off.
+    # Runs only where mp_http_port names the daemon's admin API
+    canary_interval_ms: Annotated[float, Meta(
+        ge=0, description="milliseconds between canary checks, 0 for none",
+        extra={"unit": "ms"})] = 60000.0
+    # one whole canary check: its store, the wait for the L2 write, the load back
+    canary_deadline_ms: _ms("deadlines are positive milliseconds") = 2000.0
+
+
 class Metrics(_Section):
     enabled: bool = False
     host: str = "127.0.0.1"
@@ -146,6 +159,7 @@ class LoadBackConfig(_Section):
     heartbeat: Heartbeat = Heartbeat()
     break_even: BreakEven = BreakEven()
     ip: InProcess = InProcess()
+    l2: L2 = L2()
     metrics: Metrics = Metrics()
     sglang: SGLang = SGLang()
     # LMCache's own `lmcache.mp.*` keys that took effect (orchestrator.upstream maps them).

@@ -107,6 +107,7 @@ def summarize(samples: Samples, *, url: str, now: float | None = None) -> dict[s
         refusal = None
     return {
         "url": url,
+        "l2_canary": _canary(samples, now),
         "daemon": {
             "endpoint": ", ".join(sorted({lab.get("endpoint", "?") for lab, _ in info})) or None,
             "transfer_setting": ", ".join(sorted({lab.get("transfer", "?") for lab, _ in info}))
@@ -134,6 +135,39 @@ def summarize(samples: Samples, *, url: str, now: float | None = None) -> dict[s
         "last_refusal": refusal,
         "degraded_total": sum(degraded.values()) if degraded else None,
     }
+
+
+def _canary(samples: Samples, now: float) -> dict[str, Any] | None:
+    """The L2 canary's fields (`loadback_l2_canary_*`); None when the deployment has none."""
+    interval = _one(samples, "loadback_l2_canary_interval_seconds")
+    if interval is None:
+        return None
+    checks = {lab.get("result", ""): int(v) for lab, v in
+              samples.get("loadback_l2_canary_checks_total", ())}
+    last_ok = _one(samples, "loadback_l2_canary_last_success_timestamp_seconds") or 0.0
+    return {"interval_s": interval, "checks": checks,
+            "consecutive_failures": _int(_one(samples, "loadback_l2_canary_consecutive_failures")),
+            "last_ok_ago_s": round(max(0.0, now - last_ok), 3) if last_ok else None}
+
+
+def _render_canary(c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "n/a"
+    checks = c["checks"]
+    failed = sum(v for k, v in checks.items() if k not in ("ok", "unchecked"))
+    if not c["interval_s"] and not sum(checks.values()):
+        return ("off (l2.canary_interval_ms 0, no mp_http_port, or a daemon without "
+                "--l2-adapter)")
+    ago = c["last_ok_ago_s"]
+    last = "never" if ago is None else f"{ago:.0f} s ago"
+    if c["consecutive_failures"]:
+        kinds = ", ".join(f"{checks[k]} {k.replace('_', ' ')}" for k in
+                          ("lost", "wrong_bytes", "timeout") if checks.get(k))
+        return (f"FAILING: {c['consecutive_failures']} checks in a row (last ok {last}); "
+                f"{kinds} so far: stores may not reach L2")
+    if ago is None:
+        return f"no check made yet ({checks.get('unchecked', 0)} unchecked)"
+    return f"ok {last} (every {c['interval_s']:g} s; {checks.get('ok', 0)} ok, {failed} failed)"
 
 
 #: The last refusal's reason when it was a LOOKUP skipped (`loadback_lookups_total{result}`).
@@ -193,6 +227,7 @@ def render(st: dict[str, Any]) -> str:
         ("fences dropped", _na(st["fences_dropped"])),
         ("scheduler wait", wait),
         ("last refusal", refusal),
+        ("l2 canary", _render_canary(st.get("l2_canary"))),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"loadback status of {st['url']}"]

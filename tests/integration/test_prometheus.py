@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 RULES = {"LoadbackDaemonDown", "LoadbackBreakerOpen", "LoadbackDegradeRatioHigh",
          "LoadbackRetrieveP99NearDeadline", "LoadbackStoreQueueFull",
-         "LoadbackSchedulerWaitHigh", "LoadbackFencesDropped"}
+         "LoadbackSchedulerWaitHigh", "LoadbackFencesDropped", "LoadbackL2CanaryFailing"}
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ def loadback(*argv: str) -> subprocess.CompletedProcess:
 def test_status_of_a_running_orchestrator(live_daemon, capsys):
     cfg = LoadBackConfig.from_dict({
         "mp_port": live_daemon.port, "chunk_size": CHUNK,
+        "mp_http_port": live_daemon.http_port, "l2": {"canary_interval_ms": 50},
         "heartbeat": {"interval_ms": 50},
         "metrics": {"enabled": True, "port": 0}})
     layout = KVLayout(num_layers=2, num_heads=4, head_dim=16, dtype=torch.float16,
@@ -58,6 +59,8 @@ def test_status_of_a_running_orchestrator(live_daemon, capsys):
         assert orch.load_back("x", None).reason.value == "alloc_failed"
         orch.finish("x")
         assert wait_for(lambda: orch.pending_debts() == 0, 10)
+        # the canary runs (mp_http_port) and idles: this daemon has no --l2-adapter
+        assert wait_for(lambda: orch.l2_canary.checks >= 2, 10)
 
         r = loadback("status", "--url", url)
         assert r.returncode == 0, r.stderr
@@ -77,7 +80,9 @@ def test_status_of_a_running_orchestrator(live_daemon, capsys):
                 r"^  lookup queue +0$",
                 r"^  store queue +0 of 64$",
                 r"^  fences dropped +0$",
-                r"^  last refusal +alloc_failed \(\d+ s ago; 1 so far\)$"):
+                r"^  last refusal +alloc_failed \(\d+ s ago; 1 so far\)$",
+                r"^  l2 canary +off \(l2.canary_interval_ms 0, no mp_http_port, or a daemon "
+                r"without --l2-adapter\)$"):
             assert re.search(pattern, out, re.M), (pattern, out)
 
         r = loadback("status", "--url", url, "--json")

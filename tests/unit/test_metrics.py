@@ -483,7 +483,8 @@ def test_alerts_reference_only_exposed_metrics():
     rules = {r["alert"]: r for r in group["rules"]}
     assert set(rules) == {"LoadbackDaemonDown", "LoadbackBreakerOpen", "LoadbackDegradeRatioHigh",
                           "LoadbackRetrieveP99NearDeadline", "LoadbackStoreQueueFull",
-                          "LoadbackSchedulerWaitHigh", "LoadbackFencesDropped"}
+                          "LoadbackSchedulerWaitHigh", "LoadbackFencesDropped",
+                          "LoadbackL2CanaryFailing"}
     exposed = exposed_names()
     for name, r in rules.items():
         assert r["labels"]["severity"] in ("critical", "warning", "info"), name

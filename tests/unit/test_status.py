@@ -166,3 +166,26 @@ def test_a_daemon_refused_at_registration_shows_on_the_daemon_line():
     st = status.summarize(status.parse(generate_latest(m.registry).decode()), url="u")
     assert st["daemon"]["refused"] == ["chunk_size"]
     assert "(up; REFUSED at registration: chunk_size; transfer setting auto)" in status.render(st)
+
+
+def test_the_l2_canary_line_says_off_ok_or_failing():
+    now = 1_700_000_000.0
+    m = product_metrics()
+    m.wall_clock = lambda: now - 30
+
+    def line() -> str:
+        st = status.summarize(status.parse(generate_latest(m.registry).decode()), url="u",
+                              now=now)
+        return next(l for l in status.render(st).splitlines() if l.startswith("  l2 canary"))
+
+    assert line().split(None, 2)[2] == ("off (l2.canary_interval_ms 0, no mp_http_port, or a "
+                                        "daemon without --l2-adapter)")
+    m.l2_canary_running(60)
+    m.l2_canary_checked("unchecked")
+    assert line().endswith("no check made yet (1 unchecked)")
+    m.l2_canary_checked("ok")
+    assert line().endswith("ok 30 s ago (every 60 s; 1 ok, 0 failed)")
+    m.l2_canary_checked("lost")
+    m.l2_canary_checked("timeout")
+    assert line().endswith("FAILING: 2 checks in a row (last ok 30 s ago); 1 lost, 1 timeout "
+                           "so far: stores may not reach L2")

@@ -1,0 +1,122 @@
+"""The L2 canary finds what the daemon's own /status hides: stores that never reach L2.
+
+Real parts only: Debian's redis-server, a real lmcache 0.5.6 daemon with the resp adapter and
+its admin API. The daemon and redis are shared by the module (a daemon takes seconds to
+start), in test order: the last one leaves the daemon's L2 broken."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from lmcache_loadback.orchestrator import LoadBackConfig
+from lmcache_loadback.orchestrator.instruments import product_metrics
+from lmcache_loadback.orchestrator.l2_canary import MARKER_CHUNKS, L2Canary
+from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.testing.redis import RedisServer, RedisUnavailable, find_redis
+
+pytestmark = [pytest.mark.daemon, pytest.mark.timeout(120)]
+
+try:
+    find_redis()
+except RedisUnavailable as exc:  # make test installs it (redis-tools); say how otherwise
+    pytest.skip(str(exc), allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def resp_fleet():
+    with RedisServer() as redis:
+        d = DaemonProcess(http=True, l2_adapter=redis.l2_adapter("resp"))
+        d.start()
+        try:
+            yield redis, d
+        finally:
+            d.stop()
+
+
+def _canary(d: DaemonProcess, **l2) -> tuple[L2Canary, object]:
+    cfg = LoadBackConfig.from_dict({"mp_port": d.port, "mp_http_port": d.http_port,
+                                    "chunk_size": d.chunk_size, "l2": l2})
+    metrics = product_metrics(CollectorRegistry())
+    return L2Canary(lambda: cfg, metrics, background=False), metrics
+
+
+def _series(metrics, name: str) -> float:
+    return metrics.snapshot()[name]
+
+
+def _idle(d: DaemonProcess) -> None:
+    held = d.held()
+    assert {k: held[k] for k in ("read_locks", "write_locks", "sessions", "prefetch_jobs",
+                                 "objects")} == dict.fromkeys(
+        ("read_locks", "write_locks", "sessions", "prefetch_jobs", "objects"), 0), held
+
+
+def test_canary_loads_its_marker_back_from_l2_and_leaves_nothing_behind(resp_fleet):
+    redis, d = resp_fleet
+    canary, metrics = _canary(d)
+    try:
+        before = time.time()
+        assert canary.check() == "ok", canary.last
+        assert canary.check() == "ok", canary.last
+        assert _series(metrics, 'loadback_l2_canary_checks_total{result=ok}') == 2
+        assert _series(metrics, "loadback_l2_canary_last_success_timestamp_seconds") >= before
+        assert _series(metrics, "loadback_l2_canary_consecutive_failures") == 0
+        assert _series(metrics, "loadback_l2_canary_interval_seconds") == 60
+        # the marker went through redis (SET, EXISTS, GET) and was deleted from it afterwards
+        stats = redis.command_reply("INFO", "commandstats")
+        assert "cmdstat_set:calls=" in stats and "cmdstat_get:calls=" in stats
+        assert redis.dbsize() == 0
+        _idle(d)
+    finally:
+        canary.close(5)
+    assert d.held()["registered"] == 0
+
+
+def test_canary_counts_a_hung_l2_as_timeout_within_its_deadline(resp_fleet):
+    redis, d = resp_fleet
+    canary, metrics = _canary(d, canary_deadline_ms=600)
+    try:
+        assert canary.check() == "ok", canary.last  # its keys' hasher is loaded: time the rest
+        redis.pause()
+        try:
+            t0 = time.monotonic()
+            assert canary.check() == "timeout", canary.last
+            first_s = time.monotonic() - t0
+            # nothing new is stored while an earlier marker waits on the hung store
+            assert canary.check() == "timeout", canary.last
+            assert "an earlier marker's L2 write still waits" in canary.last[1]
+        finally:
+            redis.resume()
+        assert first_s < 0.6 + 0.5, first_s  # its deadline, and the calls' own floor
+        assert canary.check() == "ok", canary.last  # what the hang held is dropped first
+        assert _series(metrics, 'loadback_l2_canary_checks_total{result=timeout}') == 2
+        assert _series(metrics, "loadback_l2_canary_consecutive_failures") == 0
+        assert redis.dbsize() == 0  # the markers written once it resumed are deleted too
+        _idle(d)
+    finally:
+        canary.close(5)
+
+
+def test_canary_finds_stores_lost_after_the_l2_server_restarts(resp_fleet, caplog):
+    # Last in the module: it leaves the daemon's resp adapter on a dead connection.
+    redis, d = resp_fleet
+    canary, metrics = _canary(d)
+    try:
+        assert canary.check() == "ok", canary.last
+        redis.restart()  # resp never reconnects: every later L2 write of this daemon is lost
+        assert d.status()["is_healthy"] is True  # what the daemon itself says meanwhile
+        with caplog.at_level(logging.WARNING, logger="loadback"):
+            assert canary.check() == "lost", canary.last
+            assert canary.check() == "lost", canary.last
+        assert f"its L2 holds 0 of {MARKER_CHUNKS * d.chunk_size} tokens" in canary.last[1]
+        warned = [r.getMessage() for r in caplog.records if "L2 canary lost" in r.getMessage()]
+        assert len(warned) == 1 and "restart the daemon" in warned[0]  # once per change
+        assert _series(metrics, "loadback_l2_canary_consecutive_failures") == 2
+        assert _series(metrics, 'loadback_l2_canary_checks_total{result=lost}') == 2
+        _idle(d)
+    finally:
+        canary.close(5)
