@@ -15,12 +15,16 @@ def add_fleet(sub) -> None:
         "works across hosts), then LOOKUP and load it through daemon B byte for byte, "
         "waiting up to --wait-s for A's L2 write. Refuses before storing when the daemons "
         "disagree on chunk size, model name or (with --admin-a/--admin-b) hash algorithm or "
-        "L2 store. One line per finding. Exits 0 when B loaded the marker, 69 when a daemon "
-        "or the L2 server does not answer, 1 for any other finding that rules sharing out.")
+        "L2 store, when an L2 node does not answer, or when a Redis Cluster node is used "
+        "without cluster_mode; with the admin APIs it also checks that each daemon's stores "
+        "reach its L2 (a marker loaded back from L2 once its L1 copy was dropped). One line "
+        "per finding. Exits 0 when B loaded the marker, 69 when a daemon or the L2 server "
+        "does not answer, 1 for any other finding that rules sharing out.")
     c.add_argument("a", metavar="A", help="the daemon that stores, HOST:PORT")
     c.add_argument("b", metavar="B", help="the daemon that loads, HOST:PORT")
     c.add_argument("--admin-a", metavar="HOST:PORT", help="A's admin API (its --http-host and "
-                   "--http-port): compares hash algorithm and L2 store, PINGs the L2 nodes")
+                   "--http-port): compares hash algorithm and L2 store, asks the L2 nodes, "
+                   "checks A's stores reach L2")
     c.add_argument("--admin-b", metavar="HOST:PORT", help="B's admin API, with --admin-a")
     c.add_argument("--model-name", action="append", metavar="NAME",
                    help="the engines' model name (default loadback); twice: A's, then B's")

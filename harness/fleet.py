@@ -4,7 +4,10 @@ Stores a small marker prefix through A (pickle transfer: works across hosts), th
 and loads it through B, byte for byte, waiting up to --wait-s for A's L2 write (it starts
 after STORE returns). Before that, what can be told without storing: both daemons answer,
 agree on the chunk size and the model name, and (with --admin-a/--admin-b, each daemon's
---http-port) on the hash algorithm and the L2 store, whose nodes must answer PING from here.
+--http-port) on the hash algorithm and the L2 store, whose nodes must answer from here and be
+Redis Cluster nodes only where the adapter runs in cluster_mode. Then, with the admin APIs,
+each daemon's own L2 round trip (the L2 canary: a marker stored, its L1 copy dropped, loaded
+back from L2), which tells stores lost on their way to L2 from daemons that share nothing.
 The L2 key (`<model>@<rank>@<group>@<chunk hash>`) names no layout, so a mismatch is refused
 before anything is written. One line per finding; exit codes from `orchestrator.exit_codes`.
 """
@@ -12,24 +15,28 @@ before anything is written. One line per finding; exit codes from `orchestrator.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from lmcache_loadback.connectors.daemon_settings import admin_call
 from lmcache_loadback.connectors.errors import ConnectorError
 from lmcache_loadback.connectors.kv_layout import KVLayout
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
-from lmcache_loadback.orchestrator.l2_canary import MARKER_LAYOUT as _LAYOUT
-from lmcache_loadback.orchestrator.l2_canary import marker
+from lmcache_loadback.orchestrator.config import L2, LoadBackConfig
 from lmcache_loadback.orchestrator.exit_codes import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
 )
+from lmcache_loadback.orchestrator.instruments import product_metrics
+from lmcache_loadback.orchestrator.l2_canary import MARKER_LAYOUT as _LAYOUT
+from lmcache_loadback.orchestrator.l2_canary import L2Canary, marker
 from lmcache_loadback.testing.redis import resp_command
 
 from .tune import _parse_daemon
@@ -39,6 +46,10 @@ __all__ = ["Finding", "check", "l2_stores", "run"]
 #: The marker's keys carry this salt (`...@<hash>@loadback-fleet-check`): never an engine's key.
 MARKER_SALT = "loadback-fleet-check"
 MARKER_CHUNKS = 2
+#: The L2 canary's own lines: its finding says the same, once.
+_QUIET = logging.getLogger("loadback.fleet-check")
+_QUIET.propagate = False
+_QUIET.addHandler(logging.NullHandler())
 #: /config keys of an adapter that do not change which store it reads and writes.
 _NOT_IDENTITY = {"num_workers", "request_timeout", "connection_timeout", "affinity_tag",
                  "shared", "eviction_config", "persist_config", "serde_config",
@@ -132,21 +143,69 @@ def _config_findings(names: tuple[str, str], admins: tuple[str, str], timeout_s:
                            "every daemon the same --l2-adapter", EXIT_FAILED))
         return out
     out.append(Finding(True, f"one L2 store: {stores[0][0].describe()}"))
-    for s in {x for x in stores[0] + stores[1]}:
-        if s.kind == "resp":
-            out.append(Finding(True, "note: the resp adapter has no timeout and never "
-                               "reconnects (a restarted L2 server stays unused until each "
-                               "daemon restarts); the valkey adapter bounds both"))
-        for host, port in sorted(s.nodes):
-            try:
-                resp_command(host, port, "PING", timeout_s=timeout_s)
-            except RuntimeError:
-                pass  # an error reply (NOAUTH) is still an answer
-            except OSError as exc:
-                out.append(Finding(False, f"L2 unreachable: {host}:{port} ({s.kind}) does not "
-                                   f"answer PING from here ({exc}); every LOOKUP of the fleet "
-                                   "waits on it", EXIT_UNAVAILABLE))
+    if any(s.kind == "resp" for s in stores[0] + stores[1]):
+        out.append(Finding(True, "note: the resp adapter has no timeout and never reconnects "
+                           "(a restarted L2 server stays unused until each daemon restarts); "
+                           "the valkey adapter bounds both"))
+    pinged: set[tuple[str, int]] = set()
+    for name, store in ((n, s) for n, ss in zip(names, stores) for s in ss):
+        out += _node_findings(name, store, pinged, timeout_s)
     return out
+
+
+def _node_findings(name: str, store: L2Store, pinged: set[tuple[str, int]], timeout_s: float
+                   ) -> list[Finding]:
+    """Each node of a daemon's store answers PING from here (once per node), and is a Redis
+    Cluster node only where the adapter is valkey with cluster_mode."""
+    out = []
+    for host, port in sorted(store.nodes):
+        try:
+            info = resp_command(host, port, "INFO", "cluster", timeout_s=timeout_s)
+        except RuntimeError:
+            continue  # an error reply (NOAUTH) is still an answer
+        except OSError as exc:
+            if (host, port) not in pinged:
+                out.append(Finding(False, f"L2 unreachable: {host}:{port} ({store.kind}) does "
+                                   f"not answer from here ({exc}); every LOOKUP of the fleet "
+                                   "waits on it", EXIT_UNAVAILABLE))
+            pinged.add((host, port))
+            continue
+        pinged.add((host, port))
+        if "cluster_enabled:1" in info and "cluster" not in store.kind:
+            fix = ('add "cluster_mode": true to its --l2-adapter' if store.kind == "valkey" else
+                   'the resp adapter does not speak Redis Cluster: use {"type": "valkey", '
+                   '"startup_nodes": "h1:p1,h2:p2", "cluster_mode": true}')
+            out.append(Finding(False, f"cluster_mode forgotten: {host}:{port} is a Redis Cluster "
+                               f"node, but daemon {name}'s {store.kind} adapter treats it as one "
+                               "server: its hits stop at the first chunk on another shard and "
+                               f"those chunks' writes fail; {fix}", EXIT_FAILED))
+            return out
+    return out
+
+
+def _round_trip(name: str, endpoint: str, admin: str, chunk: int, timeout_s: float) -> Finding:
+    """The L2 canary on one daemon: its stores reach its L2 and load back from there."""
+    host, port = _parse_daemon(endpoint)
+    admin_host, admin_port = _parse_daemon(admin)
+    if admin_host != host:
+        return Finding(True, f"note: daemon {name}'s own L2 round trip not made (its admin API "
+                       f"is on {admin_host}, not {host})")
+    cfg = LoadBackConfig(mp_host=host, mp_port=port, mp_http_port=admin_port, chunk_size=chunk,
+                         l2=L2(canary_deadline_ms=timeout_s * 1000))
+    canary = L2Canary(lambda: cfg, product_metrics(CollectorRegistry()), background=False,
+                      logger=_QUIET)
+    try:
+        result = canary.check()
+    finally:
+        canary.close(timeout_s)
+    why = canary.last[1] if canary.last else ""
+    if result == "ok":
+        return Finding(True, f"stores through {name} reach its L2: a marker loaded back from L2 "
+                       "byte-exact once its L1 copy was dropped")
+    if result in ("lost", "wrong_bytes"):
+        return Finding(False, f"stores through {name} do not reach its L2 ({result}): {why}",
+                       EXIT_FAILED)
+    return Finding(False, f"L2 unreachable through {name} ({result}): {why}", EXIT_UNAVAILABLE)
 
 
 @dataclass
@@ -199,9 +258,12 @@ def _poll_hit(a: _Side, b: _Side, toks: list[int], tag: str, t0: float, wait_s: 
         _release(b, rid, timeout_s)
         if time.monotonic() >= deadline:
             why = ("no sharing: the daemons do not read and write one L2 (no --l2-adapter on one "
-                   "of them, other servers, key_prefix or database); --admin-a/--admin-b say which"
-                   if hit == 0 else "some chunks never reached L2 or were evicted "
-                   "(maxmemory too small, allkeys-lru) or lost around a reconnect")
+                   "of them, other servers, key_prefix or database, a cluster without "
+                   "cluster_mode), or what A stores does not "
+                   "reach it (resp after its server restarted: restart A); --admin-a/--admin-b "
+                   "say which" if hit == 0 else "some chunks never reached L2 or were evicted "
+                   "(maxmemory too small, allkeys-lru), lost around a reconnect, or sit on "
+                   "shards a daemon without cluster_mode cannot reach")
             return Finding(False, f"{b.name} found {hit}/{n} marker tokens {wait_s:g} s after "
                            f"the STORE through {a.name}: {why}", EXIT_FAILED)
         time.sleep(0.05)
@@ -281,6 +343,10 @@ def check(a: str, b: str, *, models: tuple[str, str] = ("loadback", "loadback"),
                                   "every daemon with the same --chunk-size", EXIT_FAILED)]
         if admins:
             out += _config_findings(("A", "B"), admins, timeout_s)
+            if any(not f.ok for f in out):
+                return out
+            out += [_round_trip(n, ep, adm, ca, timeout_s)
+                    for n, ep, adm in zip(("A", "B"), (a, b), admins)]
             if any(not f.ok for f in out):
                 return out
         try:

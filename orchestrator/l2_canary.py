@@ -115,9 +115,11 @@ class L2Canary:
     orchestrator's closing thread. Only `_stop` crosses threads."""
 
     def __init__(self, config: Callable[[], LoadBackConfig], metrics: LoadbackMetrics, *,
-                 background: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+                 background: bool = True, clock: Callable[[], float] = time.monotonic,
+                 logger: logging.Logger = log) -> None:
         self.config = config  # read at every check: live reload applies
         self.metrics = metrics
+        self.log = logger
         self.clock = clock
         self._conn: LMCacheMPConnector | None = None
         #: A LOOKUP that timed out: (token ids, request id, epoch), settled by the next check.
@@ -181,7 +183,7 @@ class L2Canary:
         except _Verdict as v:
             result, why = v.result, str(v)
         except Exception as exc:  # noqa: BLE001 - the thread outlives any bug in one check
-            log.exception("L2 canary check failed")
+            self.log.exception("L2 canary check failed")
             result, why = "unchecked", f"the check raised {exc!r}"
         if result is None:
             self.metrics.l2_canary_running(0)
@@ -197,14 +199,14 @@ class L2Canary:
         again; `unchecked` at DEBUG (the daemon's own state has its lines and alert)."""
         if result == "ok":
             if self._failing is not None:
-                log.warning("L2 canary: the daemon %s's L2 works again: the marker was loaded "
-                            "back from L2 byte-exact", cfg.endpoint)
+                self.log.warning("L2 canary: the daemon %s's L2 works again: the marker was "
+                                 "loaded back from L2 byte-exact", cfg.endpoint)
             self._failing = None
         elif result == "unchecked":
-            log.debug("L2 canary: check not made: %s", why)
+            self.log.debug("L2 canary: check not made: %s", why)
         elif result != self._failing:
             self._failing = result
-            log.warning("L2 canary %s: %s", result, why)
+            self.log.warning("L2 canary %s: %s", result, why)
 
     def _check(self, cfg: LoadBackConfig) -> str | None:
         budget = cfg.l2.canary_deadline_ms / 1000

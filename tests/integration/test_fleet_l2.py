@@ -70,20 +70,23 @@ def _assert_idle(*daemons: DaemonProcess) -> None:
 
 @pytest.fixture(scope="module")
 def fleet_one_redis():
-    """Daemons A and B on one redis (resp adapter), C on another redis."""
+    """Daemons A and B on one redis (resp adapter), C on another redis, D with another chunk
+    size on the first."""
     with RedisServer() as shared, RedisServer() as other:
         a = DaemonProcess(http=True, l2_adapter=shared.l2_adapter("resp"))
         b = DaemonProcess(http=True, l2_adapter=shared.l2_adapter("resp"))
         c = DaemonProcess(http=True, l2_adapter=other.l2_adapter("resp"))
-        _start_all([a, b, c])
+        d = DaemonProcess(http=True, chunk_size=2 * a.chunk_size,
+                          l2_adapter=shared.l2_adapter("resp"))
+        _start_all([a, b, c, d])
         try:
-            yield shared, a, b, c
+            yield shared, a, b, c, d
         finally:
-            _stop_all([a, b, c])
+            _stop_all([a, b, c, d])
 
 
 def test_prefix_stored_through_one_daemon_is_a_byte_exact_hit_through_another(fleet_one_redis):
-    shared, a, b, _ = fleet_one_redis
+    shared, a, b, _, _ = fleet_one_redis
     n = 4 * LAYOUT.chunk_size
     g = torch.Generator().manual_seed(7)
     bufs = [torch.randn(2 * n, 2, 32, generator=g).to(torch.bfloat16) for _ in range(4)]
@@ -124,17 +127,18 @@ def test_prefix_stored_through_one_daemon_is_a_byte_exact_hit_through_another(fl
 
 
 def test_fleet_check_passes_on_a_pair_sharing_one_redis(fleet_one_redis, capsys):
-    _, a, b, _ = fleet_one_redis
+    _, a, b, _, _ = fleet_one_redis
     rc = loadback(["fleet", "check", _addr(a), _addr(b), "--admin-a", _admin(a),
                    "--admin-b", _admin(b)])
     out = capsys.readouterr().out
     assert rc == EXIT_OK, out
     assert "FAIL" not in out and "byte-exact" in out and "one L2 store: resp" in out
+    assert "ok   stores through A reach its L2" in out and "ok   stores through B reach" in out
     _assert_idle(a, b)
 
 
 def test_fleet_check_fails_naming_different_redis_servers(fleet_one_redis):
-    shared, a, _, c = fleet_one_redis
+    shared, a, _, c, _ = fleet_one_redis
     by_config = fleet.check(_addr(a), _addr(c), admins=(_admin(a), _admin(c)))
     assert [(f.ok, f.code) for f in by_config if not f.ok] == [(False, EXIT_FAILED)]
     assert "different L2 stores" in str(by_config[-1])
@@ -147,7 +151,7 @@ def test_fleet_check_fails_naming_different_redis_servers(fleet_one_redis):
 
 
 def test_fleet_check_names_an_l2_server_that_does_not_answer(fleet_one_redis, capsys):
-    shared, a, b, _ = fleet_one_redis
+    shared, a, b, _, _ = fleet_one_redis
     shared.pause()
     try:
         rc = loadback(["fleet", "check", _addr(a), _addr(b), "--admin-a", _admin(a),
@@ -157,6 +161,33 @@ def test_fleet_check_names_an_l2_server_that_does_not_answer(fleet_one_redis, ca
     out = capsys.readouterr().out
     assert rc == EXIT_UNAVAILABLE, out
     assert f"FAIL L2 unreachable: 127.0.0.1:{shared.port} (resp)" in out
+    _assert_idle(a, b)
+
+
+def test_fleet_check_refuses_daemons_of_another_chunk_size_before_storing(fleet_one_redis):
+    shared, a, _, _, d = fleet_one_redis
+    keys = shared.dbsize()
+    findings = fleet.check(_addr(a), _addr(d))
+    assert [(f.ok, f.code) for f in findings if not f.ok] == [(False, EXIT_FAILED)]
+    assert findings[-1].line.startswith(f"chunk size: A {a.chunk_size}, B {d.chunk_size}:")
+    assert shared.dbsize() == keys  # nothing was stored
+
+
+def test_fleet_check_names_stores_that_never_reach_l2(fleet_one_redis, capsys):
+    # Last of the module's users: the shared redis restarts, and resp never reconnects.
+    shared, a, b, _, _ = fleet_one_redis
+    shared.restart()
+    rc = loadback(["fleet", "check", _addr(a), _addr(b), "--admin-a", _admin(a),
+                   "--admin-b", _admin(b)])
+    out = capsys.readouterr().out
+    assert rc == EXIT_FAILED, out
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert len(fails) == 2 and fails[0].startswith("FAIL stores through A do not reach its L2 "
+                                                   "(lost)"), out
+    assert fails[1].startswith("FAIL stores through B do not reach its L2 (lost)"), out
+    # Without the admin APIs only B's miss shows, and the line names this cause among others.
+    by_marker = fleet.check(_addr(a), _addr(b), wait_s=0.5)
+    assert not by_marker[-1].ok and "what A stores does not reach it" in by_marker[-1].line
     _assert_idle(a, b)
 
 
@@ -175,14 +206,23 @@ def test_three_shard_cluster_with_valkey_adapter_shares_byte_exact():
     with RedisCluster(shards=3) as cluster:
         a = DaemonProcess(http=True, l2_adapter=cluster.l2_adapter())
         b = DaemonProcess(http=True, l2_adapter=cluster.l2_adapter())
+        # C forgot cluster_mode: one shard taken for a whole server
+        c = DaemonProcess(http=True, l2_adapter={"type": "valkey", "request_timeout": 0.5,
+                                                 "startup_nodes": cluster.nodes[0].address})
         try:
-            _start_all([a, b])
+            _start_all([a, b, c])
             findings = fleet.check(_addr(a), _addr(b), admins=(_admin(a), _admin(b)))
             assert all(f.ok for f in findings), "\n".join(map(str, findings))
             assert "one L2 store: valkey cluster" in "\n".join(map(str, findings))
             assert findings[-1].line.startswith(f"B hit {2 * a.chunk_size}/")
             # the marker's chunks sit in the cluster, on whichever shards their slots map to
             assert cluster.dbsize() >= fleet.MARKER_CHUNKS
-            _assert_idle(a, b)
+            forgot = fleet.check(_addr(a), _addr(c), admins=(_admin(a), _admin(c)))
+            fails = [f for f in forgot if not f.ok]
+            assert [(f.code, f.line.split(":")[0]) for f in fails] == [
+                (EXIT_FAILED, "cluster_mode forgotten")], "\n".join(map(str, forgot))
+            assert f"daemon B's valkey adapter" in fails[0].line
+            assert '"cluster_mode": true' in fails[0].line
+            _assert_idle(a, b, c)
         finally:
-            _stop_all([a, b])
+            _stop_all([a, b, c])
