@@ -18,6 +18,14 @@ class UsageParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+def usage_error(p: argparse.ArgumentParser, message: str) -> int:
+    """What a verb returns for flags that do not go together (checked after parsing): the
+    usage line and the message on stderr, EX_USAGE."""
+    p.print_usage(sys.stderr)
+    print(f"{p.prog}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def count(low: int):
     """An argparse type: an integer >= `low`."""
     def parse(text: str) -> int:

@@ -8,11 +8,8 @@ runs; its `SIDES` (which backends it can run) stay there.
 from __future__ import annotations
 
 import importlib
-import sys
 
-from lmcache_loadback.orchestrator.exit_codes import EXIT_USAGE
-
-from .args import count, positive_float
+from .args import count, positive_float, usage_error
 
 ENGINES = ("sglang", "vllm", "sim")
 #: the harness module whose run(args) each engine's demo is
@@ -78,12 +75,6 @@ def _add_flags(p) -> None:
                    "summaries)")
 
 
-def _usage(p, message: str) -> int:
-    p.print_usage(sys.stderr)
-    print(f"{p.prog}: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
-
-
 def run(args, p) -> int:
     """Refuse flags the engine does not take and sides it cannot run (64, before anything
     starts), fill in the engine's defaults, then run its demo."""
@@ -92,7 +83,7 @@ def run(args, p) -> int:
     for dest in sorted({d for e in DEFAULTS.values() for d in e} - takes.keys()):
         if getattr(args, dest) is not None:
             users = " or ".join(e for e in ENGINES if dest in DEFAULTS[e])
-            return _usage(p, f"--{dest.replace('_', '-')} applies to --engine {users} only")
+            return usage_error(p, f"--{dest.replace('_', '-')} applies to --engine {users} only")
     for dest, default in takes.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)
@@ -102,6 +93,6 @@ def run(args, p) -> int:
         args.sides = args.sides or ",".join(known)
         names = [s for s in args.sides.split(",") if s]
         if not names or any(s not in known for s in names):
-            return _usage(p, f"argument --sides: expected some of {','.join(known)} "
+            return usage_error(p, f"argument --sides: expected some of {','.join(known)} "
                           f"(comma-separated) for --engine {engine}, got {args.sides!r}")
     return module.run(args)

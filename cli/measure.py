@@ -9,7 +9,7 @@ import textwrap
 
 from lmcache_loadback.orchestrator.commands import scenario_names
 
-from .args import count, positive_float, run_tool
+from .args import count, positive_float, run_tool, usage_error
 
 #: bench SUITE -> its module under harness/bench, where the names differ
 BENCH_MODULES = {"vllm": "vllm_load"}
@@ -38,9 +38,52 @@ def add_bench(sub) -> None:
                    "cache against LMCache's own")
     p.add_argument("--json", metavar="FILE", help="also write the figures and verdicts")
     p.add_argument("--samples", type=count(0), default=0, metavar="N",
-                   help="samples per point (0 = the suite's default)")
-    p.set_defaults(fn=lambda a: importlib.import_module(
-        f"lmcache_loadback.harness.bench.{BENCH_MODULES.get(a.suite, a.suite)}").run(a))
+                   help="samples per point (0 = the suite's default); with --concurrency, "
+                   "timed steps per cell")
+    p.add_argument("--concurrency", type=_int_list("concurrency", 1), metavar="N[,N...]",
+                   help="gpu only: N requests with distinct prefixes load together through "
+                   "one daemon, ours against LMCache's SGLang MP path and N concurrent copies "
+                   "(the grid N x --tokens; e.g. 1,4,8,16)")
+    p.add_argument("--tokens", type=_int_list("tokens", 256), metavar="S[,S...]",
+                   help="with --concurrency: prefix lengths, whole chunks of 256 (1k = 1024; "
+                   "default 1k,4k,16k)")
+    p.add_argument("--device", choices=["cuda", "cpu"],
+                   help="with --concurrency: cpu runs the bench's logic on the CPU (a small KV "
+                   "layout, plain copies, no targets judged; default cuda)")
+    p.set_defaults(fn=lambda a: _bench(p, a))
+
+
+def _int_list(what: str, step: int):
+    """An argparse type: comma-separated whole numbers, each a multiple of `step` (k = 1024)."""
+    def parse(text: str) -> list[int]:
+        out = []
+        for item in text.split(","):
+            item = item.strip().lower()
+            try:
+                n = int(item[:-1]) * 1024 if item.endswith("k") else int(item)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"expected comma-separated numbers, got {text!r}") from None
+            if n < step or n % step:
+                raise argparse.ArgumentTypeError(
+                    f"{item} is not a positive multiple of {step}")
+            out.append(n)
+        return sorted(set(out))
+    parse.__name__ = f"{what} list"
+    return parse
+
+
+def _bench(p, a) -> int:
+    """Run the suite's module; --tokens and --device belong to --concurrency, which belongs
+    to gpu (64 before anything starts)."""
+    if a.concurrency is None:
+        for flag in ("tokens", "device"):
+            if getattr(a, flag) is not None:
+                return usage_error(p, f"--{flag} applies to bench gpu --concurrency only")
+    elif a.suite != "gpu":
+        return usage_error(p, "--concurrency applies to bench gpu only")
+    module = "gpu_concurrency_run" if a.concurrency else BENCH_MODULES.get(a.suite, a.suite)
+    return importlib.import_module(f"lmcache_loadback.harness.bench.{module}").run(a)
 
 
 def add_chaos(sub) -> None:

@@ -261,10 +261,8 @@ class Engine:
         """match's bound: the LOOKUP's deadline; on shared memory with prepare_at_match, plus
         the retrieve deadline of what it may prepare (match takes that round trip)."""
         cfg = self.orch.config
-        bound = cfg.deadlines.lookup_ms / 1000
-        if cfg.prepare_at_match and self.orch.connector.transfer == "shm":
-            bound += cfg.deadlines.retrieve_s(most_tokens)
-        return bound
+        return cfg.deadlines.match_s(most_tokens, prepare=cfg.prepare_at_match
+                                     and self.orch.connector.transfer == "shm")
 
     def _load(self, rid: str, prompt: list[int], local: int, n: int, phase: str,
               held: list[torch.Tensor]) -> tuple[int, torch.Tensor | None]:

@@ -49,6 +49,12 @@ class Deadlines(_Section):
         ms = self.retrieve_base_ms + self.retrieve_per_ki_token_ms * tokens / 1024
         return min(self.retrieve_max_ms, ms) / 1000
 
+    def match_s(self, tokens: int, *, prepare: bool) -> float:
+        """match's bound for a prefix that may load `tokens`: the LOOKUP's deadline, plus
+        the retrieve deadline where match also prepares the retrieve (prepare_at_match on
+        shared memory takes that round trip)."""
+        return self.lookup_ms / 1000 + (self.retrieve_s(tokens) if prepare else 0.0)
+
 
 _Backoff = Annotated[float, Meta(ge=0, description="milliseconds, 0 for none",
                                  extra={"unit": "ms"})]

@@ -43,9 +43,9 @@ class PrefetchHooks:
             return False
         p = Promise(self._next_id(handle), ids, salt, device_len, relookups=relookups,
                      key=RadixKey(array("q", ids), key.extra_key, cache_salt=key.cache_salt))
-        budget = self.config.deadlines.lookup_ms / 1000
-        if self.config.prepare_at_match:  # match may also prepare the retrieve (shm)
-            budget += self.config.deadlines.retrieve_s(len(ids) - device_len)
+        # match may also prepare the retrieve (shm)
+        budget = self.config.deadlines.match_s(len(ids) - device_len,
+                                               prepare=self.config.prepare_at_match)
         job = self._worker.submit(p.request_id, p.token_ids, device_len, salt,
                                   time.monotonic() + budget + 0.05, record=p)
         if job.skipped:

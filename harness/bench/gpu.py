@@ -358,16 +358,21 @@ def _time_size(b: _Bench, n: int, samples: int) -> dict:
     return row
 
 
+def run_record(**extra) -> dict:
+    """What ran, written by the bench itself into its JSON (the file is its output, nothing
+    added): the command, when, at which commit (LOADBACK_COMMIT), and `extra`."""
+    return {"command": "loadback bench gpu " + " ".join(sys.argv[sys.argv.index("gpu") + 1:]
+                                                        if "gpu" in sys.argv else []),
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "commit": os.environ.get("LOADBACK_COMMIT"), **extra}
+
+
 def run(args) -> int:
     if not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return EXIT_FAILED
     path = getattr(args, "json", None)
-    # What ran, written by the bench itself (the JSON file is its output, nothing added)
-    run_of = {"command": "loadback bench gpu " + " ".join(sys.argv[sys.argv.index("gpu") + 1:]
-                                                          if "gpu" in sys.argv else []),
-              "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "commit": os.environ.get("LOADBACK_COMMIT")}
+    run_of = run_record()
     result = run_sizes(SIZES, torch.device("cuda", torch.cuda.current_device()),
                        samples=int(getattr(args, "samples", 0) or 0),
                        partial=(lambda r: write_json(path, {"run": run_of, **r}))

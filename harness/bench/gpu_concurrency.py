@@ -1,19 +1,18 @@
-"""`loadback bench gpu --concurrency`'s figures (CPU-side: no device needed): N requests with
-distinct prefixes of S tokens arrive together and load into one CUDA KV pool through one
-daemon; per contender the makespan, p50/p99 ready time, aggregate GB/s, and the bound: the
-N x S bytes at the speed of N concurrent pinned copies (their measured makespan).
-
-Not yet wired to the CLI or run on a device: the contenders (ours through the SGLang
-backend's path, LMCache's own SGLang MP path, N concurrent pinned copies) are still to come.
+"""`loadback bench gpu --concurrency`'s figures and verdict (no device needed): N requests with
+distinct prefixes of S tokens arrive together and load into one KV pool through one daemon;
+per contender the makespan, p50/p99 ready time, aggregate GB/s, and the bound: the N x S
+bytes at the speed of N concurrent pinned copies (their measured makespan, same run). The
+contenders are in `gpu_concurrency_steps`, the run in `gpu_concurrency_run`.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from .common import percentile
+from .common import fmt, median, percentile, print_table
 
 #: Requests arriving together, and prefix lengths (tokens).
 GRID_N = (1, 4, 8, 16)
@@ -60,3 +59,110 @@ class Concurrent:
             out["bound_ms"] = copy_makespan_s * 1e3
             out["bound_ratio"] = copy_makespan_s * 1e3 / makespan if makespan > 0 else None
         return out
+
+
+#: Our contender, the bound (N concurrent copies) and LMCache's (page 256: its best case;
+#: its daemon's workers as shipped, 1, and tuned).
+OURS, COPIES = "ours", "copies"
+LMCACHE = ("lmcache-p256", "lmcache-p256-tuned")
+#: Judged cells (H200 targets of issue 25): N 8 and 16 at S 4k and 16k, CUDA only.
+JUDGED_N, JUDGED_S = (8, 16), (4096, 16384)
+#: bound_ratio: the copies' makespan over ours (1.0 = the link's limit); vs_lmcache: the
+#: faster LMCache setting's makespan over ours; p99_vs_lmcache: its p99 ready time over ours'
+#: (>= 1.0: ours' p99 is no later). Each the worst over the judged cells.
+TARGETS = {"conc_bound_ratio": 0.9, "conc_vs_lmcache": 1.2, "conc_p99_vs_lmcache": 1.0}
+
+
+def cell_row(n: int, tokens: int, steps: dict[str, list[Concurrent]], extra: dict) -> dict:
+    """One (N, S) cell: per contender the medians over its timed steps of makespan, p50 and
+    p99 ready time and GB/s; the bound (the copies' median makespan) and each contender's
+    bound ratio; ours against the faster LMCache setting. `extra`: added per contender
+    (e.g. matched_ms, when the last match was answered)."""
+    bound = median([c.figures()["makespan_ms"] for c in steps.get(COPIES, [])]) \
+        if steps.get(COPIES) else None
+    row = {"n": n, "tokens": tokens, "contenders": {}}
+    for name, runs in steps.items():
+        figs = [c.figures() for c in runs]
+        m = {k: median([f[k] for f in figs]) for k in ("makespan_ms", "p50_ready_ms",
+                                                       "p99_ready_ms")}
+        m["gbps"] = n * runs[0].bytes_each / (m["makespan_ms"] / 1e3) / 1e9 \
+            if m["makespan_ms"] > 0 else None
+        m["repeats"] = len(runs)
+        m["makespan_samples_ms"] = [round(f["makespan_ms"], 3) for f in figs]
+        if bound is not None and m["makespan_ms"] > 0:
+            m["bound_ratio"] = bound / m["makespan_ms"]
+        m.update(extra.get(name, {}))
+        row["contenders"][name] = m
+    row["bound_ms"] = bound
+    lmc = [row["contenders"][k] for k in LMCACHE if k in row["contenders"]]
+    ours = row["contenders"].get(OURS)
+    if lmc and ours:
+        best = min(lmc, key=lambda m: m["makespan_ms"])
+        row["vs_lmcache"] = best["makespan_ms"] / ours["makespan_ms"]
+        row["p99_vs_lmcache"] = min(m["p99_ready_ms"] for m in lmc) / ours["p99_ready_ms"]
+    return row
+
+
+def judged(rows, cuda: bool) -> dict:
+    """The targets' figures: the worst over the judged cells that ran (None: none ran, or a
+    CPU device: not judged)."""
+    cells = [r for r in rows if cuda and r["n"] in JUDGED_N and r["tokens"] in JUDGED_S]
+
+    def worst(get):
+        vals = [get(r) for r in cells]
+        return None if not vals or any(v is None for v in vals) else min(vals)
+
+    return {"conc_bound_ratio": worst(lambda r: r["contenders"].get(OURS, {}).get(
+                "bound_ratio")),
+            "conc_vs_lmcache": worst(lambda r: r.get("vs_lmcache")),
+            "conc_p99_vs_lmcache": worst(lambda r: r.get("p99_vs_lmcache")),
+            "judged_cells": [[r["n"], r["tokens"]] for r in cells]}
+
+
+def targets_met(figures: dict) -> dict[str, bool]:
+    """Each target met or not; with no judged cell no target is judged (none listed)."""
+    if not figures.get("judged_cells"):
+        return {}
+    return {k: figures[k] is not None and figures[k] >= v for k, v in TARGETS.items()}
+
+
+def size_label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def print_report(rows, notes: dict[str, str], device: str, layout_line: str) -> None:
+    """The table: one line per cell and contender, then ours over the bound and LMCache."""
+    print(f"\nloadback bench gpu --concurrency: {device}, {layout_line}; N requests with "
+          "distinct prefixes of S tokens in one step, one daemon per contender; medians over "
+          "the repeats; ready = when a request's bytes were in the pool, from the step's "
+          "first call; bound = N concurrent copies of the same bytes")
+    for k, v in notes.items():
+        print(f"  {k}: {v}")
+    heads = ["N", "S", "contender", "makespan ms", "p50 ready ms", "p99 ready ms", "GB/s",
+             "bound/this", "matched ms"]
+    body = []
+    for r in rows:
+        for k, m in r["contenders"].items():
+            body.append([r["n"], size_label(r["tokens"]), k, fmt(m["makespan_ms"]),
+                         fmt(m["p50_ready_ms"]), fmt(m["p99_ready_ms"]),
+                         fmt(m["gbps"], 1), fmt(m.get("bound_ratio"), 3),
+                         fmt(m.get("matched_ms"))])
+    print_table(heads, body)
+    ratios = [[r["n"], size_label(r["tokens"]), fmt(r["contenders"].get(OURS, {}).get(
+        "bound_ratio"), 3), fmt(r.get("vs_lmcache"), 3), fmt(r.get("p99_vs_lmcache"), 3)]
+        for r in rows]
+    print()
+    print_table(["N", "S", "bound / ours", "LMCache / ours (makespan)",
+                 "LMCache / ours (p99 ready)"], ratios)
+
+
+def print_verdict(figures: dict, met: dict, cuda: bool) -> None:
+    print()
+    if not met:
+        print("targets not judged: " + ("no cell of N 8/16 x S 4k/16k ran" if cuda
+                                        else "a CPU device (targets are the H200's)"))
+    for k, target in TARGETS.items():
+        v = figures.get(k)
+        state = ("MET" if met[k] else "NOT MET") if k in met else "not judged"
+        shown = fmt(v, 3) if v is not None and math.isfinite(v) else "-"
+        print(f"{k:<20} = {shown:>7}   target >= {target}   {state}")

@@ -130,6 +130,25 @@ class Copy:
         return torch.equal(self.dst[:nb].cpu(), self.src[:nb])
 
 
+def lmcache_connector(host: str, port: int, pool: KVPool, page: int, instance: int,
+                      timeout_s: float = T):
+    """LMCache 0.5.6's SGLang MP connector (`multi_process_adapter.LMCacheMPConnector`, what
+    SGLang 0.5.20's LMCRadixCache builds) registering `pool` with `page` slots per block;
+    `instance` sets its instance id apart from another one in this process (LMCache takes
+    the pid). `timeout_s`: its mq_timeout, every call's wait."""
+    from unittest import mock
+    from lmcache.integration.sglang.multi_process_adapter import (
+        LMCacheMPConnector as LMCConnector)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("lmcache"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    pid = os.getpid()  # its instance id is the pid: two configs need two ids
+    with mock.patch.object(os, "getpid", return_value=pid + instance):
+        return LMCConnector(SimpleNamespace(model_path=MODEL), 1, 0, page, f"tcp://{host}",
+                            port, list(pool.k_buffer), list(pool.v_buffer),
+                            mq_timeout=timeout_s)
+
+
 class LMCache:
     """LMCache 0.5.6's own SGLang MP connector (lmcache_driven: the daemon writes the KV)."""
 
@@ -137,19 +156,9 @@ class LMCache:
                  own_slots: torch.Tensor, instance: int) -> None:
         """Registers `pool` with `page` slots per block; `store` saves `toks` from
         `own_slots` with LMCache's own STORE (its prefix, its format; ours' bytes)."""
-        from unittest import mock
-        from lmcache.integration.sglang.multi_process_adapter import (
-            LMCacheMPConnector as LMCConnector)
         from lmcache.integration.sglang.sglang_adapter import LoadMetadata, StoreMetadata
-        for name in list(logging.root.manager.loggerDict):
-            if name.startswith("lmcache"):
-                logging.getLogger(name).setLevel(logging.WARNING)
         self.LoadMetadata = LoadMetadata
-        pid = os.getpid()  # its instance id is the pid: two configs need two ids
-        with mock.patch.object(os, "getpid", return_value=pid + instance):
-            self.conn = LMCConnector(SimpleNamespace(model_path=MODEL), 1, 0, page,
-                                     f"tcp://{host}", port, list(pool.k_buffer),
-                                     list(pool.v_buffer), mq_timeout=T)
+        self.conn = lmcache_connector(host, port, pool, page, instance)
         self.own_slots = own_slots
         assert self.conn.chunk_size() == CHUNK
         self.dev = pool.k_buffer[0].device
@@ -186,22 +195,23 @@ class LMCache:
         self.conn.close()
 
 
-def make_pool(num_slots: int, dev: torch.device, fill: bool) -> KVPool:
-    shape = (num_slots, LAYOUT.num_heads, LAYOUT.head_dim)
+def make_pool(num_slots: int, dev: torch.device, fill: bool,
+              layout: KVLayout = LAYOUT) -> KVPool:
+    shape = (num_slots, layout.num_heads, layout.head_dim)
     g = torch.Generator(device=dev).manual_seed(7)
-    mk = (lambda: torch.randn(shape, generator=g, device=dev).to(LAYOUT.dtype)) if fill \
-        else (lambda: torch.zeros(shape, dtype=LAYOUT.dtype, device=dev))
-    layers = range(LAYOUT.num_layers)
+    mk = (lambda: torch.randn(shape, generator=g, device=dev).to(layout.dtype)) if fill \
+        else (lambda: torch.zeros(shape, dtype=layout.dtype, device=dev))
+    layers = range(layout.num_layers)
     return KVPool([mk() for _ in layers], [mk() for _ in layers])
 
 
-def _landed(src: KVPool, src_slots, dst: KVPool, dst_slots) -> bool:
+def landed(src: KVPool, src_slots, dst: KVPool, dst_slots) -> bool:
     """Every layer's K and V rows of the prefix equal in both pools (byte-exact)."""
     return all(torch.equal(a[src_slots].view(torch.int16), b[dst_slots].view(torch.int16))
                for a, b in zip([*src.k_buffer, *src.v_buffer], [*dst.k_buffer, *dst.v_buffer]))
 
 
-def _poison(pool: KVPool, slots) -> None:
+def poison(pool: KVPool, slots) -> None:
     for b in [*pool.k_buffer, *pool.v_buffer]:
         b[slots] = -7.0
 
@@ -215,7 +225,7 @@ def prove(name, c, toks, src, stored, dst, perm, n) -> dict:
     skip = SKIP if isinstance(c, Ours) else 0
     own = getattr(c, "own_slots", None)
     slots = own[:n] if own is not None else perm[:n - skip].clone()
-    _poison(dst, slots)
+    poison(dst, slots)
     rid = f"prove-{name}-{n}-{next(request_ids)}"
     if isinstance(c, Ours):
         c.lookup(toks[:n], rid, n)
@@ -229,6 +239,6 @@ def prove(name, c, toks, src, stored, dst, perm, n) -> dict:
     else:
         c.run(toks[:n], rid, dst, slots.to(dev), n)
     sync(dev)
-    ok = _landed(src, stored[skip:n], dst, slots.to(dev))
+    ok = landed(src, stored[skip:n], dst, slots.to(dev))
     assert ok, f"{name}: landed bytes differ from the stored prefix at {n} tokens (skip {skip})"
     return {"tokens": n, "skip": skip, "random_slots": True, "ok": True}

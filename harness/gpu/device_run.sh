@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # On the GPU host, from the repository root: install the carried wheels (.whl/), rebuild
 # lmcache.cuda_ops from the carried 0.5.6 sources (.lmsrc/csrc) while the GPU tests run (ours
-# do not use LMCache's module), then `loadback bench gpu`. Logs and gpu.json go to $OUT.
-# Steps: STEPS="tests bench" (default). Exits with the bench's code; when the bench exited 0
-# (or did not run), with the tests' code.
+# do not use LMCache's module), then `loadback bench gpu` and `loadback bench gpu
+# --concurrency` (CONC_ARGS, default the whole grid 1,4,8,16). Logs, gpu.json and
+# gpu_concurrency.json (each exactly as its bench wrote it) go to $OUT.
+# Steps: STEPS="tests bench concurrency" (default). Exits with the bench's code; when it
+# exited 0 (or did not run), with the concurrency bench's; then with the tests' code.
 set -uo pipefail
 OUT=${OUT:-/tmp/loadback-gpu-out}
 SITE=${SITE:-/tmp/site}  # where the wheels and the checkout's packages are installed
 mkdir -p "$OUT"
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 LMCACHE_LOG_LEVEL=WARNING
-STEPS=${STEPS:-tests bench}
+STEPS=${STEPS:-tests bench concurrency}
 t() { date +%s; }
 T0=$(t)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -42,5 +44,13 @@ if [[ " $STEPS " == *" bench "* ]]; then
     rc_bench=${PIPESTATUS[0]}
     echo "[$(( $(t) - T0 )) s] bench rc=$rc_bench"
 fi
+rc_conc=0
+if [[ " $STEPS " == *" concurrency "* ]]; then
+    python3 -m lmcache_loadback.cli bench gpu --concurrency ${CONC_ARGS:-1,4,8,16} \
+        --json "$OUT/gpu_concurrency.json" 2>&1 | tee "$OUT/concurrency.log"
+    rc_conc=${PIPESTATUS[0]}
+    echo "[$(( $(t) - T0 )) s] concurrency bench rc=$rc_conc"
+fi
 (( rc_bench != 0 )) && exit "$rc_bench"
+(( rc_conc != 0 )) && exit "$rc_conc"
 exit "$rc_tests"

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 FAKE_PYTHON = """#!/usr/bin/env bash
 case "$*" in
+  *"bench gpu --concurrency"*) echo "concurrency output $*"; exit "$FAKE_CONC_RC" ;;
   *"bench gpu"*) echo "bench output"; exit "$FAKE_BENCH_RC" ;;
   *"pytest tests/gpu"*) echo "1 failed"; exit "$FAKE_TESTS_RC" ;;
   *) exit 0 ;;
@@ -22,8 +23,10 @@ esac
 """
 
 
-@pytest.mark.parametrize("bench,tests,want", [(1, 0, 1), (0, 0, 0), (0, 1, 1), (2, 1, 2)])
-def test_device_run_exits_with_the_bench_code(tmp_path, bench, tests, want):
+@pytest.mark.parametrize("bench,conc,tests,want", [
+    (1, 0, 0, 1), (0, 0, 0, 0), (0, 0, 1, 1), (2, 0, 1, 2), (0, 1, 0, 1), (2, 1, 0, 2),
+    (0, 3, 1, 3)])
+def test_device_run_exits_with_the_bench_code(tmp_path, bench, conc, tests, want):
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     for name, body in (("python3", FAKE_PYTHON), ("nvidia-smi", "#!/usr/bin/env bash\n")):
@@ -31,11 +34,15 @@ def test_device_run_exits_with_the_bench_code(tmp_path, bench, tests, want):
         (bin_ / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "SITE": str(tmp_path / "site"), "FAKE_BENCH_RC": str(bench),
-           "FAKE_TESTS_RC": str(tests)}
+           "FAKE_CONC_RC": str(conc), "FAKE_TESTS_RC": str(tests)}
     run = subprocess.run(["bash", str(ROOT / "harness/gpu/device_run.sh")], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == want, run.stdout + run.stderr
     assert "bench output" in run.stdout and f"bench rc={bench}" in run.stdout
+    # the whole grid, its JSON beside gpu.json in $OUT, unchanged
+    assert f"concurrency output -m lmcache_loadback.cli bench gpu --concurrency 1,4,8,16 " \
+        f"--json {tmp_path / 'out'}/gpu_concurrency.json" in run.stdout
+    assert f"concurrency bench rc={conc}" in run.stdout
 
 
 def test_device_run_installs_every_package_folder_of_the_product(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from lmcache_loadback.harness.bench.common import median
 from lmcache_loadback.harness.bench.gpu_concurrency import GRID_N, GRID_S, Concurrent, \
     distinct_prefixes
 
@@ -34,3 +35,106 @@ def test_figures_of_four_requests_against_four_concurrent_copies():
     assert "bound_ms" not in c.figures()
     with pytest.raises(ValueError, match="ready time at or after the start"):
         Concurrent(start_s=10.0, ready_s=[9.9], bytes_each=1).figures()
+
+
+# --- the cell's medians, the judged targets and the verdict (no daemon, no device) ----------
+
+from lmcache_loadback.cli import main  # noqa: E402
+from lmcache_loadback.harness.bench import gpu_concurrency as gc  # noqa: E402
+
+
+def _steps(makespans_ms, n=4, each=1 << 20):
+    """Steps whose requests are ready evenly up to each makespan."""
+    return [Concurrent(0.0, [m / 1e3 * (i + 1) / n for i in range(n)], each) for m in makespans_ms]
+
+
+def _row(ours_ms, lmc_ms, tuned_ms, copies_ms, n=8, tokens=4096):
+    return gc.cell_row(n, tokens, {"ours": _steps(ours_ms, n), "copies": _steps(copies_ms, n),
+                                   "lmcache-p256": _steps(lmc_ms, n),
+                                   "lmcache-p256-tuned": _steps(tuned_ms, n)},
+                       {"ours": {"matched_ms": 3.0}})
+
+
+def test_a_cell_takes_medians_over_repeats_and_holds_ours_against_the_bound_and_lmcache():
+    r = _row([10.0, 12.0, 11.0], [30.0, 31.0, 29.0], [26.0, 28.0, 27.0], [9.0, 9.5, 9.9])
+    ours = r["contenders"]["ours"]
+    assert ours["makespan_ms"] == pytest.approx(11.0) and ours["repeats"] == 3
+    assert ours["p50_ready_ms"] == pytest.approx(median([m * 4.5 / 8 for m in (10, 12, 11)]))
+    assert ours["gbps"] == pytest.approx(8 * (1 << 20) / 0.011 / 1e9)
+    assert r["bound_ms"] == pytest.approx(9.5) and ours["bound_ratio"] == pytest.approx(9.5 / 11)
+    assert ours["matched_ms"] == 3.0
+    # against the faster LMCache setting (the tuned one here), makespan and p99 alike
+    assert r["vs_lmcache"] == pytest.approx(27.0 / 11.0)
+    tuned_p99 = r["contenders"]["lmcache-p256-tuned"]["p99_ready_ms"]
+    assert r["p99_vs_lmcache"] == pytest.approx(tuned_p99 / ours["p99_ready_ms"])
+
+
+@pytest.mark.parametrize("ours_ms, met", [([10.0], {"conc_bound_ratio": True,
+                                                     "conc_vs_lmcache": True,
+                                                     "conc_p99_vs_lmcache": True}),
+                                          ([25.0], {"conc_bound_ratio": False,
+                                                    "conc_vs_lmcache": False,
+                                                    "conc_p99_vs_lmcache": True})])
+def test_targets_are_the_worst_over_the_judged_cells_on_cuda_only(ours_ms, met):
+    rows = [_row(ours_ms, [30.0], [28.0], [9.5], n=n, tokens=s)
+            for n in (4, 8, 16) for s in (1024, 4096, 16384)]
+    rows[0]["contenders"]["ours"]["bound_ratio"] = 0.1  # N=4: not judged
+    figures = gc.judged(rows, cuda=True)
+    assert figures["judged_cells"] == [[8, 4096], [8, 16384], [16, 4096], [16, 16384]]
+    assert gc.targets_met(figures) == met
+    assert figures["conc_bound_ratio"] == pytest.approx(9.5 / ours_ms[0])
+    cpu = gc.judged(rows, cuda=False)
+    assert cpu["judged_cells"] == [] and gc.targets_met(cpu) == {}
+
+
+def test_verdict_names_each_drop_and_each_missed_target():
+    from lmcache_loadback.harness.bench.gpu_concurrency_run import verdict
+    ok = {"dropped": {}, "targets_met": {"conc_bound_ratio": True}, "conc_bound_ratio": 0.95}
+    assert verdict(ok) == (0, [])
+    assert verdict({**ok, "targets_met": {}}) == (0, [])  # nothing judged (CPU)
+    bad = {"dropped": {"lmcache-p256": "setup: boom"}, "conc_vs_lmcache": 1.1,
+           "targets_met": {"conc_bound_ratio": True, "conc_vs_lmcache": False}}
+    assert verdict(bad) == (1, ["contender dropped: lmcache-p256: setup: boom",
+                                "target missed: conc_vs_lmcache = 1.100, target >= 1.2"])
+
+
+def test_the_byte_exact_check_names_a_request_whose_bytes_differ():
+    import torch
+
+    from lmcache_loadback.harness.bench.gpu_concurrency_steps import Workload
+    from lmcache_loadback.harness.bench.gpu_contenders import make_pool
+    from lmcache_loadback.harness.bench.gpu_concurrency_run import CPU_LAYOUT
+    src, dst = make_pool(64, torch.device("cpu"), True, CPU_LAYOUT), \
+        make_pool(64, torch.device("cpu"), False, CPU_LAYOUT)
+    w = Workload([[1] * 16, [2] * 16], src, [torch.arange(0, 16), torch.arange(16, 32)])
+    slots = [torch.arange(32, 48), torch.arange(48, 64)]
+    for i in range(2):
+        for a, d in zip([*src.k_buffer, *src.v_buffer], [*dst.k_buffer, *dst.v_buffer]):
+            d[slots[i]] = a[w.src_slots[i]]
+    w.check("ours", dst, slots, 2, 16)
+    dst.v_buffer[3][50] += 1  # one row of request 1's last V layer
+    with pytest.raises(AssertionError, match="request 1 of 2 landed other bytes"):
+        w.check("ours", dst, slots, 2, 16)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "gpu", "--tokens", "1k"], "--tokens applies to bench gpu --concurrency only"),
+    (["bench", "gpu", "--device", "cpu"], "--device applies to bench gpu --concurrency only"),
+    (["bench", "core", "--concurrency", "4"], "--concurrency applies to bench gpu only"),
+    (["bench", "gpu", "--concurrency", "4", "--tokens", "1000"],
+     "argument --tokens: 1000 is not a positive multiple of 256"),
+    (["bench", "gpu", "--concurrency", "0"], "argument --concurrency: 0 is not a positive"),
+])
+def test_concurrency_flags_out_of_place_exit_64_before_anything_runs(capsys, argv, message):
+    with pytest.raises(SystemExit) if "argument" in message else _no_raise() as raised:
+        rc = main(argv)
+    code = raised.value.code if raised is not None else rc
+    assert code == 64 and message in capsys.readouterr().err
+
+
+class _no_raise:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
