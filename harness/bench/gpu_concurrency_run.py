@@ -73,7 +73,7 @@ CPU_LMCACHE_TIMEOUT_S = 5.0
 
 def l1_gb(layout: KVLayout, n_max: int, s_max: int) -> float:
     """One daemon's L1: every prompt of the grid at its largest size, with room to spare."""
-    return round(max(0.25, n_max * s_max * layout.bytes_per_token / 2**30 * 1.15 + 0.25), 2)
+    return round(max(0.25, n_max * s_max * layout.bytes_per_token / 2**30 * 1.05 + 0.25), 2)
 
 
 def memory_shortfall(layout: KVLayout, n_max: int, s_max: int, daemons: int,
