@@ -101,13 +101,20 @@ redis-tools: prometheus-tools
 # suite (testpaths: unit, integration), then tests/sglang in each SGLang venv: class
 # tests on both versions, the real-server end-to-end tests on 0.5.23 only; then tests/vllm
 # (class tests and a real server) in .venv-vllm. All four run; any failure fails the target.
+# Each stage prints its wall time ("make test: <stage> <N> s"), for whoever keeps CI in budget.
+STAGE_TIME = echo "make test: $(1) $$(( $$(date +%s) - t )) s"; t=$$(date +%s)
 test:
-	$(MAKE) -j4 venv prometheus-tools redis-tools sglang-envs vllm-env
-	rc=0; \
+	t=$$(date +%s); $(MAKE) -j4 venv prometheus-tools redis-tools sglang-envs vllm-env; \
+	$(call STAGE_TIME,environments)
+	rc=0; t=$$(date +%s); \
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS) || rc=1; \
+	$(call STAGE_TIME,main suite); \
 	$(SGLANG_ENV) .venv-sglang-0.5.23/bin/python -m pytest -q -ra -m "not upstream" tests/sglang $(PYTEST_ARGS) || rc=1; \
+	$(call STAGE_TIME,sglang 0.5.23 suite); \
 	$(SGLANG_ENV) .venv-sglang-0.5.20/bin/python -m pytest -q -ra tests/sglang --ignore=tests/sglang/e2e $(PYTEST_ARGS) || rc=1; \
+	$(call STAGE_TIME,sglang 0.5.20 suite); \
 	.venv-vllm/bin/python -m pytest -q -ra tests/vllm $(PYTEST_ARGS) || rc=1; \
+	$(call STAGE_TIME,vllm suite); \
 	exit $$rc
 
 # Upstream's wiring on a real SGLang 0.5.23 server under the faults ours is tested with (TP 1 and

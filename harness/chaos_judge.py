@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmcache_loadback.orchestrator.core import LoadBackOrchestrator
-from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.testing.daemon import CLIENT_HOLDS, DaemonProcess
 from lmcache_loadback.testing.fault_proxy import FaultProxy
 
 from .bench.common import percentile
@@ -148,9 +148,8 @@ def dead_threads(lanes: list, *, engines_alive: bool) -> set[str]:
     return dead
 
 
-#: What the daemon holds for clients that a finished run must have given back, every kind
-#: `DaemonProcess.held()` reports (a pending write is a write lock).
-DAEMON_HOLDS = ("read_locks", "write_locks", "sessions", "prefetch_jobs")
+#: What the daemon holds for clients that a finished run must have given back: every kind.
+DAEMON_HOLDS = CLIENT_HOLDS
 
 
 def engine_held(lane, daemon_running: bool) -> dict[str, int]:

@@ -23,6 +23,25 @@ from lmcache_loadback.connectors.telemetry import QUIET_TELEMETRY
 from lmcache_loadback.connectors.transport import ZmqTransport
 
 
+#: Every kind of hold a client can leave on the daemon, which an idle daemon must have given
+#: back: a judge that counts fewer passes leaks of the kinds it leaves out (a pending write is
+#: a write lock; a LOOKUP's prefetch job lives until its status was read).
+CLIENT_HOLDS = ("read_locks", "write_locks", "sessions", "prefetch_jobs")
+
+
+def held_in_status(st: dict) -> dict[str, int]:
+    """The holds in one `/status` answer of the daemon (lmcache 0.5.6's field names)."""
+    l1 = st["storage_manager"]["l1_manager"]
+    return {
+        "read_locks": int(l1["read_locked_count"]),
+        "write_locks": int(l1["write_locked_count"]),
+        "sessions": int(st["active_sessions"]),
+        "registered": len(st.get("registered_non_cuda_instance_ids", [])),
+        "prefetch_jobs": int(st["active_prefetch_jobs"]),  # the lookup module's count
+        "objects": int(l1["total_object_count"]),
+    }
+
+
 def stop_process(pid: int, settle_s: float = 2.0) -> bool:
     """SIGSTOP `pid` and wait until the kernel shows every thread of it stopped (state T in
     /proc): a signal is delivered asynchronously, and a request sent right after kill()
@@ -161,16 +180,13 @@ class DaemonProcess:
 
     def held(self) -> dict[str, int]:
         """What the daemon still holds for clients: read locks, sessions, registrations."""
-        st = self.status()
-        l1 = st["storage_manager"]["l1_manager"]
-        return {
-            "read_locks": int(l1["read_locked_count"]),
-            "write_locks": int(l1["write_locked_count"]),
-            "sessions": int(st["active_sessions"]),
-            "registered": len(st.get("registered_non_cuda_instance_ids", [])),
-            "prefetch_jobs": int(st.get("active_prefetch_jobs", 0)),
-            "objects": int(l1["total_object_count"]),
-        }
+        return held_in_status(self.status())
+
+    def client_holds(self) -> dict[str, int]:
+        """Every kind of hold in `CLIENT_HOLDS` the daemon still has, the zeros left out: `{}`
+        is a daemon that holds nothing for any client."""
+        held = self.held()
+        return {k: held[k] for k in CLIENT_HOLDS if held[k]}
 
     def log_tail(self, n: int = 20) -> str:
         try:

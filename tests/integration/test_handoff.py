@@ -32,8 +32,7 @@ def pair(live_daemon, layout):
 def nothing_held(loader: Harness, asker: LoadBackOrchestrator) -> bool:
     """Once both orchestrators paid what they owe (bounded), the daemon holds nothing."""
     assert wait_for(lambda: not asker.pending_debts() and not loader.orch.pending_debts())
-    held = loader.daemon.held()
-    return all(held[k] == 0 for k in ("read_locks", "write_locks", "sessions", "prefetch_jobs"))
+    return not loader.daemon.client_holds()
 
 
 def ask(asker, rid: str, toks, local: int = 0) -> int:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lmcache_loadback.orchestrator import DegradeReason, PrefixState
+from lmcache_loadback.testing.daemon import CLIENT_HOLDS
 from tests.conftest import CHUNK
 from tests.processes import Remote
 
@@ -17,7 +18,7 @@ from .test_orchestrator_daemon import Harness, wait_for
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(180)]
 
-HELD = ("read_locks", "write_locks", "sessions", "prefetch_jobs")
+HELD = CLIENT_HOLDS
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import torch
 
 from lmcache_loadback.connectors.errors import DaemonTimeout
 from lmcache_loadback.orchestrator import DegradeReason, PrefixState
+from lmcache_loadback.testing.daemon import CLIENT_HOLDS
 from tests.conftest import make_pool
 from tests.integration.test_abandoned_prepare import (  # noqa: F401 - the module's daemon
     SETTLE_S,
@@ -31,7 +32,7 @@ from tests.integration.test_abandoned_prepare import (  # noqa: F401 - the modul
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(180)]
 
-HELD = ("read_locks", "write_locks", "sessions", "prefetch_jobs")
+HELD = CLIENT_HOLDS
 
 
 def stop_at_first(orch, d, op: str) -> threading.Event:

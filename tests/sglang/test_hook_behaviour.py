@@ -70,7 +70,7 @@ def test_grown_radix_hit_rederives_the_promise(live_daemon, make_cache, page, lo
         assert kv_matches(s.pool, got["loaded_slots"], ids[2 * CHUNK:], 2 * CHUNK)
     s.finish(b)
     tree_consistent(cache, idle=True)
-    wait_for(lambda: live_daemon.held()["read_locks"] == 0, 10, "no lock left behind")
+    wait_for(lambda: not live_daemon.client_holds(), 10, "nothing left behind")
     assert cache.orch.live_prefixes() == 0
 
 
@@ -92,7 +92,7 @@ def test_changed_key_voids_the_promise(live_daemon, make_cache, page):
     res = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", other)), req=b))
     assert res.host_hit_length == CHUNK
     s.abort(b)
-    wait_for(lambda: live_daemon.held()["read_locks"] == 0, 10, "the first promise's locks freed")
+    wait_for(lambda: not live_daemon.client_holds(), 10, "the first promise's holds freed")
     assert cache.orch.live_prefixes() == 0
 
 

@@ -92,8 +92,7 @@ def test_lookup_fault_recomputes_within_deadline(live_daemon, make_cache, page, 
         live_daemon.start()
     else:
         # The LOOKUP that outlived its deadline is settled once the daemon answers again.
-        wait_for(lambda: live_daemon.held()["read_locks"] == 0, 15, "the late LOOKUP's locks")
-        wait_for(lambda: live_daemon.held()["sessions"] == 0, 15, "the late LOOKUP's session")
+        wait_for(lambda: not live_daemon.client_holds(), 15, "the late LOOKUP's holds")
     ready(cache)
     s.calls.clear()
     wait_for(lambda: _loads_again(s), 30, "hits to resume after the fault")
@@ -180,8 +179,7 @@ def test_abort_releases_daemon_locks_and_session(live_daemon, make_cache, page):
     assert s.match(b).host_hit_length == 4 * CHUNK
     assert live_daemon.held()["read_locks"] > 0
     s.abort(b)
-    wait_for(lambda: live_daemon.held()["read_locks"] == 0, 10, "read locks released")
-    wait_for(lambda: live_daemon.held()["sessions"] == 0, 10, "session ended")
+    wait_for(lambda: not live_daemon.client_holds(), 10, "locks, session and job released")
     assert cache.orch.live_prefixes() == 0
     within_deadlines(s)
 
@@ -222,6 +220,6 @@ def test_unanswered_calls_over_many_cycles_conserve_the_pool(live_daemon, make_c
         if op == "lookup":
             # A RETRIEVE lost on its way leaves its locks to the daemon's read TTL (the
             # orchestrator never releases a range twice); a lost LOOKUP is settled.
-            wait_for(lambda: live_daemon.held()["read_locks"] == 0, 15, "every lock released")
+            wait_for(lambda: not live_daemon.client_holds(), 15, "every hold released")
     finally:
         proxy.close()

@@ -44,11 +44,10 @@ def ready(cache, timeout_s: float = 30.0) -> None:
 
 
 def idle(daemon, cache) -> None:
-    """The daemon holds nothing for us: no read lock, no session, no prefetch job."""
+    """The daemon holds nothing for us: every kind of hold (`CLIENT_HOLDS`)."""
     def empty() -> bool:
         cache.orch.link.pay()
-        h = daemon.held()
-        return h["read_locks"] == h["sessions"] == h["prefetch_jobs"] == 0
+        return not daemon.client_holds()
     wait_for(empty, 15, "the daemon to hold no lock or session")
     assert cache.orch.pending_debts() == 0
 
@@ -213,8 +212,7 @@ def test_mla_tp2_one_writer_every_rank_reads(daemon):
         assert r["after"]["loaded"] == 160 and r["after"]["exact"]
 
     def empty() -> bool:
-        h = daemon.held()
-        return h["read_locks"] == h["sessions"] == h["prefetch_jobs"] == 0
+        return not daemon.client_holds()
     wait_for(empty, 15, "the daemon to hold no lock or session after both ranks")
 
 

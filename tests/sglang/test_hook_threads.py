@@ -128,8 +128,7 @@ def delta(before: dict, after: dict) -> dict[str, float]:
 
 def daemon_idle(daemon, orch) -> None:
     wait_for(lambda: orch.pending_debts() == 0, 15, "every owed release paid")
-    wait_for(lambda: daemon.held()["read_locks"] == 0, 15, "the daemon's read locks freed")
-    wait_for(lambda: daemon.held()["sessions"] == 0, 15, "the daemon's sessions ended")
+    wait_for(lambda: not daemon.client_holds(), 15, "the daemon to hold nothing of ours")
 
 
 def errors(caplog) -> list[str]:

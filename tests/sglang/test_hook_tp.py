@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 import torch.distributed as dist
 
-from lmcache_loadback.testing.daemon import free_port, stop_process
+from lmcache_loadback.testing.daemon import CLIENT_HOLDS, free_port, held_in_status, stop_process
 from tests.ranks import run_ranks
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.timeout(300)]
 def _held(status_url: str) -> dict:
     with urllib.request.urlopen(status_url, timeout=5) as resp:
         st = json.loads(resp.read())
-    return {"read_locks": int(st["storage_manager"]["l1_manager"]["read_locked_count"]),
-            "sessions": int(st["active_sessions"])}
+    held = held_in_status(st)
+    return {k: held[k] for k in CLIENT_HOLDS}
 
 
 def _rank_main(rank: int, dist_port: int, daemon_port: int, daemon_pid: int,
@@ -131,4 +131,4 @@ def test_two_ranks_share_one_daemon_through_the_real_cache(daemon):
     assert r0["after"]["loaded"] == r1["after"]["loaded"] == 160
     assert r0["after"]["exact"] and r1["after"]["exact"]
     for name in ("first", "hit", "alloc", "stopped", "after"):
-        assert r0[name + "_held"] == {"read_locks": 0, "sessions": 0}, name
+        assert r0[name + "_held"] == dict.fromkeys(CLIENT_HOLDS, 0), name

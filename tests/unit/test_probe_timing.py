@@ -6,6 +6,7 @@ here is the heartbeat thread's sleep, which no daemon fault changes.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -16,6 +17,20 @@ from lmcache_loadback.orchestrator.instruments import product_metrics
 from lmcache_loadback.orchestrator.link import DaemonLink
 from lmcache_loadback.orchestrator.policies import BreakerState, CircuitBreaker
 from lmcache_loadback.testing.memory import InMemoryConnector
+
+
+class _Sleeps(threading.Event):
+    """The heartbeat's wake event, telling when the heartbeat starts a sleep of a second or
+    more (its interval, not a registration retry)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.long_sleep = threading.Event()
+
+    def wait(self, timeout=None):
+        if timeout is None or timeout >= 1.0:
+            self.long_sleep.set()
+        return super().wait(timeout)
 
 
 def test_an_open_breaker_is_probed_after_its_cooldown_not_a_heartbeat_interval_later():
@@ -30,7 +45,10 @@ def test_an_open_breaker_is_probed_after_its_cooldown_not_a_heartbeat_interval_l
     breaker.on_change = link.breaker_changed
     try:
         assert link.wait_registered(10)
-        time.sleep(0.2)  # the heartbeat is now asleep for its 30 s interval
+        sleeps, first = _Sleeps(), link._wake
+        link._wake = sleeps
+        first.set()  # out of whatever it waits on now, into a wait on `sleeps`
+        assert sleeps.long_sleep.wait(10), "the heartbeat never went to sleep for its interval"
         breaker.record(False)  # a request's call failed: open
         assert breaker.state == BreakerState.OPEN
         end = time.monotonic() + 10

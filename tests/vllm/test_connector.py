@@ -26,8 +26,7 @@ HIT = (len(PROMPT) - 1) // CHUNK * CHUNK               # 192: never the whole pr
 
 def released(daemon) -> bool:
     """The daemon holds nothing for a client: every kind `held()` reports."""
-    h = daemon.held()
-    return all(h[k] == 0 for k in ("read_locks", "write_locks", "sessions", "prefetch_jobs"))
+    return not daemon.client_holds()
 
 
 @pytest.fixture

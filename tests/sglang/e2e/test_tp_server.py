@@ -44,8 +44,8 @@ def _sglang_metric(stack, series: str) -> float:
 
 
 def _idle_and_clean(stack, what: str) -> dict:
-    """The daemon holds no read lock and no session of ours once nothing runs (bounded)."""
-    wait_until(lambda: not any(stack.daemon.held()[k] for k in ("read_locks", "sessions")),
+    """The daemon holds nothing of ours once nothing runs (bounded): every kind of hold."""
+    wait_until(lambda: not stack.daemon.client_holds(),
                15, f"{what}: the daemon still holds {stack.daemon.held()}")
     return stack.daemon.held()
 

@@ -105,8 +105,7 @@ def until_hit(server: VLLMServer, mport: int, prompt: list[int], ref: str,
 
 def nothing_held(daemon: DaemonProcess, what: str) -> dict:
     """The daemon holds no lock, session or prefetch job once nothing runs (bounded)."""
-    keys = ("read_locks", "write_locks", "sessions", "prefetch_jobs")
-    wait_until(lambda: not any(daemon.held()[k] for k in keys), 15,
+    wait_until(lambda: not daemon.client_holds(), 15,
                f"{what}: the daemon idle with nothing held")
     return daemon.held()
 
