@@ -1,7 +1,8 @@
 """One prefix's calls to the daemon, each inside its deadline, with retries: `PrefixCalls`
-sends the LOOKUP (match) and the RETRIEVE (load_back). Read locks are freed only through the
-prefix's `Lease`, a retrieve's obligations only through its `Retrieval`, and every release
-goes to the `DaemonLink` as a debt of the daemon incarnation it belongs to.
+sends the LOOKUP (match), the RETRIEVE (load_back) and a request's STORE (store). Read locks
+are freed only through the prefix's `Lease`, a retrieve's obligations only through its
+`Retrieval`, and every release goes to the `DaemonLink` as a debt of the daemon incarnation
+it belongs to; a failed call's meaning is the failure table's (`failed`).
 """
 
 from __future__ import annotations
@@ -299,7 +300,23 @@ class PrefixCalls:
 
     # ------------------------------------------------------------- releases
 
-    def owed_store(self, session_id: str) -> Callable[[Store], None]:
+    # ----------------------------------------------------------------- STORE
+
+    def store(self, session_id: str, token_ids, pool, slots: torch.Tensor, timeout_s: float,
+              cache_salt: str) -> bool:
+        """STORE `token_ids`' whole chunks from `slots` of `pool` under `session_id` within
+        `timeout_s`; a failure is the failure table's verdict (False), never raised."""
+        try:
+            ok = self.connector.store_from(token_ids, session_id, pool, slots,
+                                           timeout_s=timeout_s, cache_salt=cache_salt,
+                                           on_owed=self._owed_store(session_id))
+        except ConnectorError as exc:
+            self.failed("store", exc, session_id)
+            return False
+        self.breaker.record(True)
+        return ok
+
+    def _owed_store(self, session_id: str) -> Callable[[Store], None]:
         """What a STORE under `session_id` owes when its prepare_store went unanswered (a
         reservation the daemon may still make, completed with the store's own bytes): a
         debt of its incarnation, paid once the daemon answered every call of the session."""

@@ -180,6 +180,17 @@ class LoadBackConfig(_Section):
     def endpoint(self) -> str:
         return f"tcp://{self.mp_host}:{self.mp_port}"
 
+    def check_reload(self, new: "LoadBackConfig") -> None:
+        """Raise ConfigError if `new` changes a key a running process cannot take on: where
+        its daemon is and how it talks to it, what it registered (model, chunk size), the
+        in-process daemon's settings. Policy keys reload live."""
+        changed = [k for k in RESTART_KEYS if getattr(new, k) != getattr(self, k)]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(changed)}: cannot change while running; restart the engine to "
+                "apply it (policy keys reload live: deadlines, retries, breaker, break_even, "
+                "heartbeat)")
+
     # -- loading -------------------------------------------------------------
 
     @classmethod
@@ -323,6 +334,10 @@ def _explain_validation(msg: str, data: dict) -> tuple[str, str]:
     got = f" ({upstream._show(value)})" if value is not _MISSING and "got" not in problem else ""
     fix = f"{meta.description}; " if meta is not None and meta.description else ""
     return key or "(top level)", f"{problem}{got}; {fix}fix the value ({_EXAMPLE})"
+
+
+#: Keys a running orchestrator cannot take on in a reload (`LoadBackConfig.check_reload`).
+RESTART_KEYS = ("mode", "mp_host", "mp_port", "transfer", "model_name", "chunk_size", "ip")
 
 
 def _cross_checks(c: LoadBackConfig):

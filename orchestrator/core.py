@@ -14,11 +14,11 @@ from typing import Callable, Sequence
 import torch
 
 from lmcache_loadback.connectors.base import Connector, Retrieved
-from lmcache_loadback.connectors.errors import ConnectorError, SlotsError
+from lmcache_loadback.connectors.errors import SlotsError
 from lmcache_loadback.metrics import LoadbackMetrics
 
 from .calls import Prefix, PrefixCalls
-from .config import ConfigError, LoadBackConfig
+from .config import LoadBackConfig
 from .handoff import HandOff
 from .instruments import product_metrics
 from .leases import Lease, RequestKey
@@ -33,12 +33,13 @@ from .tp import TPAgreement
 log = logging.getLogger("loadback")
 
 
-class LoadBackOrchestrator(HandOff):
+class LoadBackOrchestrator:
     """Called by the SGLang backend (match_prefix/prefetch -> `match`, init_load_back ->
     `load_back`, a finished request -> `store` + `finish`, abort -> `abort`), the demo, the
     chaos harness, the benchmarks. A RETRIEVE is sent in `PrefixCalls.retrieve`, a failure
     means what `failures.FAILURES` says, an outcome is counted in `_record_outcome`; the
-    daemon's debts and the heartbeat live in `DaemonLink`, the locks still ours in `Lease`."""
+    daemon's debts and the heartbeat live in `DaemonLink`, the locks still ours in `Lease`,
+    a LOOKUP handed to or taken from another process (vLLM) in `HandOff` (`handoff`)."""
 
     def __init__(
         self,
@@ -78,6 +79,7 @@ class LoadBackOrchestrator(HandOff):
         self.sessions = Sessions(connector, self.link, self._lock, store_suffix=suffix)
         self.calls = PrefixCalls(connector, self.link, self.breaker, self.metrics, clock, sleep,
                                  kv_pool, sharded=self.tp.enabled, touch=self._touch_session)
+        self.handoff = HandOff(self, self.calls)
 
     # ------------------------------------------------------------------ match
 
@@ -92,7 +94,7 @@ class LoadBackOrchestrator(HandOff):
             p = self._live.get(request_id)
         if p is not None:
             if p.state == PrefixState.MARKED.value and self.calls.lease_expired(p):
-                self._finish_degraded(p, DegradeReason.LEASE_EXPIRED)
+                self.finish_degraded(p, DegradeReason.LEASE_EXPIRED)
             return p.match_result()
         chunk = self.connector.chunk_size
         aligned = len(token_ids) // chunk * chunk
@@ -122,7 +124,7 @@ class LoadBackOrchestrator(HandOff):
             self.calls.free(p, 0, hit)
             if agreed < 0:
                 self._enter(p)
-                self._finish_degraded(p, reason or DegradeReason.TP_PEER_FAILED)
+                self.finish_degraded(p, reason or DegradeReason.TP_PEER_FAILED)
                 return p.match_result()
             return MatchResult()  # a clean miss leaves no machine
         p.hit_tokens = agreed
@@ -138,11 +140,12 @@ class LoadBackOrchestrator(HandOff):
         on; degraded otherwise. Every TP rank joins each decision."""
         # Bandwidth is learned per rank: the break-even verdict is agreed on too.
         if not self.tp.min(int(self.break_even.worth_loading(p.promised_tokens))):
-            self._finish_degraded(p, DegradeReason.BELOW_BREAK_EVEN)
+            self.finish_degraded(p, DegradeReason.BELOW_BREAK_EVEN)
             return
         # Chunks the engine already has are not retrieved: release their locks now.
         p.retrieve_from = p.local_tokens // chunk * chunk
-        self._free_local_chunks(p)
+        if not self.handoff.hands_off:  # else they are the adopter's to free
+            self.calls.free(p, 0, p.retrieve_from)
         self._fire(p, "mark")
         if self.config.prepare_at_match:
             # Shared memory: take the retrieve's round trip now (on the thread that runs
@@ -150,7 +153,7 @@ class LoadBackOrchestrator(HandOff):
             ok, why = self.calls.prepare(
                 p, self.config.deadlines.retrieve_s(p.promised_tokens))
             if not self.tp.min(int(ok)):
-                self._finish_degraded(p, why or DegradeReason.TP_PEER_FAILED)
+                self.finish_degraded(p, why or DegradeReason.TP_PEER_FAILED)
 
     # -------------------------------------------------------------- load_back
 
@@ -179,7 +182,7 @@ class LoadBackOrchestrator(HandOff):
                  else DegradeReason.DAEMON_RESTARTED if self.connector.epoch != p.epoch
                  else DegradeReason.BREAKER_OPEN if not self.breaker.allow() else None)
         if not self.tp.min(int(local is None)):
-            self._finish_degraded(p, local or DegradeReason.TP_PEER_FAILED)
+            self.finish_degraded(p, local or DegradeReason.TP_PEER_FAILED)
             if local == DegradeReason.BAD_SLOTS:
                 raise SlotsError(
                     f"load_back({request_id!r}): got {len(slots)} KV slots for {n} promised "
@@ -205,7 +208,7 @@ class LoadBackOrchestrator(HandOff):
                 # Landed here but a peer failed: the engine recomputes into these slots, so
                 # the copy still in flight must finish first (no late write).
                 got.ready.synchronize()
-            self._finish_degraded(p, reason or DegradeReason.TP_PEER_FAILED)
+            self.finish_degraded(p, reason or DegradeReason.TP_PEER_FAILED)
         if bad is not None:
             raise bad
         return p.load_result(self.clock() - start, ready=got.ready if ok else None)
@@ -223,16 +226,8 @@ class LoadBackOrchestrator(HandOff):
             return True  # TP-replicated KV (MLA): one rank writes for the group
         sid = self.sessions.store_id(request_id)
         self._touch_session(sid, self.connector.epoch)
-        try:
-            ok = self.connector.store_from(token_ids, sid, pool, slots,
-                                           timeout_s=self.config.deadlines.store_ms / 1000,
-                                           cache_salt=cache_salt,
-                                           on_owed=self.calls.owed_store(sid))
-        except ConnectorError as exc:
-            self.calls.failed("store", exc, request_id)
-            return False
-        self.breaker.record(True)
-        return ok
+        return self.calls.store(sid, token_ids, pool, slots,
+                                self.config.deadlines.store_ms / 1000, cache_salt)
 
     def finish(self, request_id: str) -> None:
         """The request is done: end its prefix (a promise never loaded degrades as
@@ -256,25 +251,40 @@ class LoadBackOrchestrator(HandOff):
             p = self._live.pop(request_id, None)
             ended = self.sessions.take(request_id)
         if p is not None and not PrefixState(p.state).terminal:
-            self._finish_degraded(p, reason)
+            self.finish_degraded(p, reason)
         self.sessions.end(ended)
 
     def _touch_session(self, request_id: str, epoch: int) -> None:
         self.sessions.touch(request_id, epoch)
 
+    # ------------- handoff.LivePrefixes: what `HandOff` may do with the live prefixes
+
+    def take_idle(self, request_id: str, fits: Callable[[Prefix], bool]) -> Prefix | None:
+        with self._lock:
+            p = self._live.get(request_id)
+            if p is None or request_id in self._owners or not fits(p):
+                return None
+            del self._live[request_id]
+            self.sessions.take(request_id)
+        return p
+
+    def enter_marked(self, p: Prefix) -> None:
+        with self._lock:
+            if p.request_id in self._live:
+                raise ValueError(f"adopt({p.request_id!r}): the request is live already; "
+                                 "finish it before adopting another LOOKUP under its id")
+            self._touch_session(p.request_id, p.lease.epoch)
+            self._enter(p)
+        self._fire(p, "hit")
+        self._fire(p, "mark")
+
     def reload(self, config: LoadBackConfig) -> None:
         """Swap policy values (deadlines, retries, breaker, break-even, heartbeat) in place.
 
-        Raises ConfigError for changes that need a restart (mode, endpoint, transfer, model,
-        chunk size, in-process settings); the running config then stays in force.
+        Raises ConfigError for changes that need a restart (`LoadBackConfig.check_reload`);
+        the running config then stays in force.
         """
-        fixed = ("mode", "mp_host", "mp_port", "transfer", "model_name", "chunk_size", "ip")
-        changed = [k for k in fixed if getattr(config, k) != getattr(self.config, k)]
-        if changed:
-            raise ConfigError(
-                f"{', '.join(changed)}: cannot change while running; restart the engine to "
-                "apply it (policy keys reload live: deadlines, retries, breaker, break_even, "
-                "heartbeat)")
+        self.config.check_reload(config)
         with self._lock:
             self.config = self.link.config = config
             self.breaker.policy = config.breaker
@@ -332,7 +342,9 @@ class LoadBackOrchestrator(HandOff):
             if not PrefixState(dst).terminal:
                 self.metrics.live_delta(dst, +1)
 
-    def _finish_degraded(self, p: Prefix, reason: DegradeReason) -> None:
+    def finish_degraded(self, p: Prefix, reason: DegradeReason) -> None:
+        """End `p` degraded (`reason`, or lease_expired), freeing what it still holds, and
+        count it; also `handoff.LivePrefixes`'."""
         if self.calls.lease_expired(p) and p.state == PrefixState.MARKED.value:
             reason = DegradeReason.LEASE_EXPIRED  # its promise lapsed before the engine ended it
         self.calls.drop_prepared(p)

@@ -10,27 +10,44 @@ its own calls were answered, is the session's last call whatever the two process
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Protocol, Sequence
 
-from .calls import Prefix
+from .calls import Prefix, PrefixCalls
 from .leases import Lease, RequestKey
 from .results import MatchResult
 from .states import DegradeReason, PrefixState
 
 
+class LivePrefixes(Protocol):
+    """What a hand-off needs of the orchestrator that holds it: its live prefixes, each taken
+    out or put in under the orchestrator's lock, and a prefix's end counted as any other."""
+
+    def take_idle(self, request_id: str, fits: Callable[[Prefix], bool]) -> Prefix | None:
+        """Under the lock: the live prefix of `request_id`, if no match or load_back runs for
+        it and `fits(prefix)`, removed with the request's sessions (whose end is then no
+        longer this process's); else None and nothing changes."""
+
+    def enter_marked(self, p: Prefix) -> None:
+        """Make `p` (a new prefix whose LOOKUP another process made) live and marked, its
+        session touched on `p.lease.epoch`; ValueError if its request is live already."""
+
+    def finish_degraded(self, p: Prefix, reason: DegradeReason) -> None:
+        """End `p` degraded for `reason` (freeing what its lease still holds) and count it."""
+
+
 class HandOff:
-    """Mixed into `LoadBackOrchestrator` (its lock, live prefixes, sessions and calls)."""
+    """Held by `LoadBackOrchestrator` as `handoff`. `hand_off` and `adopt` run on the engine's
+    own thread (vLLM's scheduler thread, a worker's forward thread); they share the
+    orchestrator's live prefixes only through `LivePrefixes`, under its lock."""
 
-    #: This process hands its marked prefixes to another (vLLM's scheduler sets it before its
-    #: first match): a marked prefix's read locks are then never freed here before its release,
-    #: so a hand-off hands all of them over and this process owes the session nothing more.
-    hands_off: bool = False
-
-    def _free_local_chunks(self, p: Prefix) -> None:
-        """match: free the locks of the chunks the engine already has, unless this process
-        hands its prefixes off (the adopter frees them then)."""
-        if not self.hands_off:
-            self.calls.free(p, 0, p.retrieve_from)
+    def __init__(self, prefixes: LivePrefixes, calls: PrefixCalls) -> None:
+        self._prefixes = prefixes
+        self._calls = calls
+        #: This process hands its marked prefixes to another (vLLM's scheduler sets it before
+        #: its first match): match then never frees a marked prefix's read locks before its
+        #: release, so a hand-off hands all of them over and this process owes the session
+        #: nothing more.
+        self.hands_off = False
 
     def hand_off(self, request_id: str, keep_tokens: int) -> tuple[int, int] | None:
         """Give the matched prefix of `request_id` to another process, which loads tokens up
@@ -43,18 +60,16 @@ class HandOff:
         there is no marked prefix to hand off, or when a release of it is still owed from
         here (it would reach the daemon after the adopter's end and re-create the session):
         the prefix then stays this process's to release."""
-        with self._lock:
-            p = self._live.get(request_id)
-            if (p is None or request_id in self._owners
-                    or p.state != PrefixState.MARKED.value or p.prepared is not None
-                    or p.lease.held is None or self.link.pending(request_id)
-                    or keep_tokens <= p.retrieve_from or keep_tokens > p.hit_tokens):
-                return None
-            del self._live[request_id]
-            self.sessions.take(request_id)  # the session's end is the adopter's
+        link = self._calls.link
+        p = self._prefixes.take_idle(request_id, lambda p: (
+            p.state == PrefixState.MARKED.value and p.prepared is None
+            and p.lease.held is not None and not link.pending(request_id)
+            and p.retrieve_from < keep_tokens <= p.hit_tokens))
+        if p is None:
+            return None
         locked = p.lease.held
         p.lease.forfeit()  # every lock still held is the adopter's to release
-        self._finish_degraded(p, DegradeReason.UNUSED)  # frees nothing: forfeited
+        self._prefixes.finish_degraded(p, DegradeReason.UNUSED)  # frees nothing: forfeited
         return locked
 
     def adopt(self, request_id: str, token_ids: Sequence[int], *, local_hit_tokens: int,
@@ -76,7 +91,8 @@ class HandOff:
         registered. A load needs this process registered there: until its heartbeat
         re-registers with a restarted daemon, load_back degrades (daemon_restarted) without
         a call."""
-        chunk = self.connector.chunk_size
+        connector = self._calls.connector
+        chunk = connector.chunk_size
         start = local_hit_tokens // chunk * chunk
         lo, hi = locked
         if (hit_tokens % chunk or lo % chunk or hi % chunk
@@ -85,20 +101,13 @@ class HandOff:
                 f"adopt({request_id!r}): hit_tokens {hit_tokens} must be chunk aligned "
                 f"(chunk {chunk}), above local_hit_tokens {local_hit_tokens}, within the "
                 f"locked range {tuple(locked)} and within the {len(token_ids)} token ids")
-        with self._lock:
-            if request_id in self._live:
-                raise ValueError(f"adopt({request_id!r}): the request is live already; "
-                                 "finish it before adopting another LOOKUP under its id")
         key = RequestKey.of(request_id, token_ids[:hi], cache_salt)
-        epoch = self.connector.epoch  # where this process's releases reach the session
-        registered = self.link.registered_epoch
+        epoch = connector.epoch  # where this process's releases reach the session
+        registered = self._calls.link.registered_epoch
         p = Prefix(key, local_hit_tokens, -1 if registered is None else registered,
-                   Lease(key, epoch, lo, hi, shard=self.tp.enabled), hit_tokens=hit_tokens,
+                   Lease(key, epoch, lo, hi, shard=self._calls.sharded), hit_tokens=hit_tokens,
                    retrieve_from=start, told=True)  # the handing process's match told it
-        self._touch_session(request_id, epoch)
-        self._enter(p)
-        self._fire(p, "hit")
-        self._fire(p, "mark")
-        self.calls.free(p, lo, start)
-        self.calls.free(p, hit_tokens, hi)
+        self._prefixes.enter_marked(p)
+        self._calls.free(p, lo, start)
+        self._calls.free(p, hit_tokens, hi)
         return p.match_result()

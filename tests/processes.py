@@ -89,7 +89,7 @@ class _Side:
         config = config_for(SimpleNamespace(port=port), prepare_at_match=False)
         self.orch = LoadBackOrchestrator(config, self.conn, kv_pool=self.pool,
                                          start_heartbeat=background)
-        self.orch.hands_off = role == "asker"  # as vLLM's scheduler sets it
+        self.orch.handoff.hands_off = role == "asker"  # as vLLM's scheduler sets it
         self.link = self.orch.link
         self._holds: dict = {}  # connector method -> its Stop
         self._torch = torch

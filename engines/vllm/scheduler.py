@@ -96,7 +96,7 @@ class SchedulerSide:
                                                         kv_pool=None, kv_rank=0, world_size=tp)
         # Every LOOKUP's locks stay whole here until its release or its hand-off: the worker
         # ranks free what they do not load, so the session's last call is theirs (handoff.py).
-        self.orch.hands_off = True
+        self.orch.handoff.hands_off = True
         if orchestrator is None and settings.scheduler_metrics_port is not None:
             server = start_metrics_server(cfg.metrics.host, settings.scheduler_metrics_port,
                                           registry=self.orch.metrics)
@@ -247,8 +247,8 @@ class SchedulerSide:
         or sent from here any more. False: the LOOKUP is not held here (its locks released,
         or a release of it still owed from here), so the load cannot be served."""
         ask = self._asks.get(rid)
-        op.locked = None if ask is None or ask.released else self.orch.hand_off(ask.session,
-                                                                                op.end)
+        op.locked = (None if ask is None or ask.released
+                     else self.orch.handoff.hand_off(ask.session, op.end))
         if op.locked is None:
             log.info("%s: the LOOKUP behind this load is no longer held; load error, "
                      "recomputed", rid)

@@ -89,8 +89,9 @@ class WorkerSide:
         try:
             # The scheduler's LOOKUP is the request's only one: load under its session, and
             # release what it locked here whatever happens (finish, below).
-            self.orch.adopt(op.session, op.token_ids, local_hit_tokens=op.start,
-                            hit_tokens=op.end, locked=op.locked, cache_salt=op.cache_salt)
+            self.orch.handoff.adopt(op.session, op.token_ids, local_hit_tokens=op.start,
+                                    hit_tokens=op.end, locked=op.locked,
+                                    cache_salt=op.cache_salt)
             if n > self.view.staging_tokens or len(op.block_ids) * self.settings.block_size != n:
                 log.warning("%s: load of tokens [%d, %d) into %d blocks cannot be served; "
                             "reported as a load error", op.session, op.start, op.end,

@@ -22,7 +22,7 @@ def pair(live_daemon, layout):
     loader = Harness(live_daemon, layout)
     conn = LMCacheMPConnector(live_daemon.endpoint, layout, connect_timeout_s=0.2)
     asker = LoadBackOrchestrator(config_for(live_daemon, prepare_at_match=False), conn)
-    asker.hands_off = True  # as vLLM's scheduler: its LOOKUPs' locks stay whole until handed
+    asker.handoff.hands_off = True  # as vLLM's scheduler: its LOOKUPs' locks stay whole
     assert loader.orch.wait_registered(10) and asker.wait_registered(10)
     yield loader, asker
     asker.close()
@@ -43,20 +43,20 @@ def handed(loader: Harness, asker, rid: str, toks, hit: int, keep: int) -> None:
     """The asker's LOOKUP (a hit of `hit` tokens) handed off for `keep` tokens, adopted."""
     assert ask(asker, rid, toks) == hit
     assert loader.daemon.held()["read_locks"] > 0
-    locked = asker.hand_off(rid, keep)
+    locked = asker.handoff.hand_off(rid, keep)
     assert locked == (0, hit)                         # every lock, the ones not taken too
-    loader.orch.adopt(rid, toks, local_hit_tokens=0, hit_tokens=keep, locked=locked)
+    loader.orch.handoff.adopt(rid, toks, local_hit_tokens=0, hit_tokens=keep, locked=locked)
 
 
 def test_adopted_lookup_loads_byte_exact_with_no_second_lookup(pair):
     loader, asker = pair
     toks, src = loader.stored(4 * CHUNK, seed=1)
     assert ask(asker, "r#ask1", toks, local=CHUNK // 2) == 4 * CHUNK - CHUNK // 2
-    locked = asker.hand_off("r#ask1", 4 * CHUNK)
+    locked = asker.handoff.hand_off("r#ask1", 4 * CHUNK)
     assert asker.state_of("r#ask1") is None          # nothing of it is the asker's any more
     before = lookups_sent(loader.orch)
-    got = loader.orch.adopt("r#ask1", toks, local_hit_tokens=CHUNK // 2, hit_tokens=4 * CHUNK,
-                            locked=locked)
+    got = loader.orch.handoff.adopt("r#ask1", toks, local_hit_tokens=CHUNK // 2,
+                                    hit_tokens=4 * CHUNK, locked=locked)
     assert got.tokens == 4 * CHUNK - CHUNK // 2 and got.state == PrefixState.MARKED
     dst = loader.slots(got.tokens)
     res = loader.orch.load_back("r#ask1", dst)
@@ -92,12 +92,12 @@ def test_only_a_marked_prefix_is_handed_off(pair):
     loader, asker = pair
     toks = loader.tokens(2 * CHUNK, seed=4)           # never stored: a miss
     assert ask(asker, "m#ask1", toks) == 0
-    assert not asker.hand_off("m#ask1", 2 * CHUNK)
+    assert not asker.handoff.hand_off("m#ask1", 2 * CHUNK)
     asker.finish("m#ask1")                            # a miss: its session ends here
     stored, _ = loader.stored(2 * CHUNK, seed=5)
     assert ask(asker, "k#ask1", stored) == 2 * CHUNK
-    assert not asker.hand_off("k#ask1", 3 * CHUNK)    # more than was locked
-    assert not asker.hand_off("k#ask1", 0)
+    assert not asker.handoff.hand_off("k#ask1", 3 * CHUNK)    # more than was locked
+    assert not asker.handoff.hand_off("k#ask1", 0)
     asker.finish("k#ask1")                            # still the asker's: it releases
     assert nothing_held(loader, asker)
 
@@ -106,12 +106,14 @@ def test_adopt_refuses_what_no_lookup_can_have_locked(pair):
     loader, _ = pair
     toks = loader.tokens(2 * CHUNK, seed=7)
     with pytest.raises(ValueError, match="chunk aligned"):
-        loader.orch.adopt("x", toks, local_hit_tokens=0, hit_tokens=CHUNK + 1,
-                          locked=(0, 2 * CHUNK))
+        loader.orch.handoff.adopt("x", toks, local_hit_tokens=0, hit_tokens=CHUNK + 1,
+                                  locked=(0, 2 * CHUNK))
     with pytest.raises(ValueError, match="within the 2"):
-        loader.orch.adopt("x", toks[:2], local_hit_tokens=0, hit_tokens=CHUNK, locked=(0, CHUNK))
+        loader.orch.handoff.adopt("x", toks[:2], local_hit_tokens=0, hit_tokens=CHUNK,
+                                  locked=(0, CHUNK))
     with pytest.raises(ValueError, match="locked range"):
-        loader.orch.adopt("x", toks, local_hit_tokens=0, hit_tokens=2 * CHUNK, locked=(0, CHUNK))
+        loader.orch.handoff.adopt("x", toks, local_hit_tokens=0, hit_tokens=2 * CHUNK,
+                                  locked=(0, CHUNK))
     assert loader.orch.state_of("x") is None
     assert loader.orch.load_back("x", torch.arange(CHUNK)).loaded_tokens == 0
 
@@ -121,12 +123,12 @@ def test_a_release_still_owed_by_the_asker_keeps_the_prefix_its_own(pair, monkey
     free does not hand off: its free would reach the daemon after the adopter's end."""
     loader, asker = pair
     toks, _ = loader.stored(3 * CHUNK, seed=6)
-    asker.hands_off = False
+    asker.handoff.hands_off = False
     monkeypatch.setattr(asker.link, "pay", lambda *a, **k: False)  # the free stays owed
     monkeypatch.setattr(asker.link, "background", True)            # queued, never inline
     assert ask(asker, "o#ask1", toks, local=CHUNK) == 2 * CHUNK
     assert asker.pending_debts() == 1
-    assert asker.hand_off("o#ask1", 3 * CHUNK) is None
+    assert asker.handoff.hand_off("o#ask1", 3 * CHUNK) is None
     assert asker.state_of("o#ask1") == PrefixState.MARKED   # still the asker's to release
     monkeypatch.undo()
     asker.finish("o#ask1")

@@ -66,10 +66,10 @@ def test_the_askers_frees_never_follow_the_loaders_session_end(procs, daemon, lo
     toks = stored(loader, 4 * CHUNK, seed=local + keep)
     asker.hold("free_locks")
     assert asker.call("orch.match", sid, toks, local_hit_tokens=local).tokens == 4 * CHUNK - local
-    locked = asker.call("orch.hand_off", sid, keep)
+    locked = asker.call("orch.handoff.hand_off", sid, keep)
     assert locked
-    got = loader.call("orch.adopt", sid, toks, local_hit_tokens=local, hit_tokens=keep,
-                      locked=locked)
+    got = loader.call("orch.handoff.adopt", sid, toks, local_hit_tokens=local,
+                      hit_tokens=keep, locked=locked)
     assert got.tokens == keep - local
     res = loader.call("orch.load_back", sid, loader.call("slots", 512, got.tokens))
     assert (res.loaded_tokens, res.state) == (keep - local, PrefixState.LOADED)
@@ -86,11 +86,11 @@ def test_a_same_epoch_reregistration_forfeits_no_adopted_lock(procs, daemon):
     sid = "six-b#ask1"
     toks = stored(loader, 3 * CHUNK, seed=61)
     assert asker.call("orch.match", sid, toks, local_hit_tokens=0).tokens == 3 * CHUNK
-    locked = asker.call("orch.hand_off", sid, 3 * CHUNK)
+    locked = asker.call("orch.handoff.hand_off", sid, 3 * CHUNK)
     assert locked
     loader.call("link.suspect")
     assert loader.call("registered")              # re-registered: same daemon, same epoch
-    loader.call("orch.adopt", sid, toks, local_hit_tokens=0, hit_tokens=3 * CHUNK,
+    loader.call("orch.handoff.adopt", sid, toks, local_hit_tokens=0, hit_tokens=3 * CHUNK,
                 locked=locked)
     loader.call("orch.abort", sid)                # vLLM aborted it before its load
     assert nothing_held(daemon, asker, loader) == {}
@@ -114,10 +114,10 @@ def test_a_loader_behind_the_askers_registration_releases_the_lookup(procs, daem
         storer.close()
     sid = "six-a#ask1"
     assert asker.call("orch.match", sid, toks, local_hit_tokens=0).tokens == 2 * CHUNK
-    locked = asker.call("orch.hand_off", sid, 2 * CHUNK)
+    locked = asker.call("orch.handoff.hand_off", sid, 2 * CHUNK)
     assert locked
-    got = loader.call("orch.adopt", sid, toks, local_hit_tokens=0, hit_tokens=2 * CHUNK,
-                      locked=locked)
+    got = loader.call("orch.handoff.adopt", sid, toks, local_hit_tokens=0,
+                      hit_tokens=2 * CHUNK, locked=locked)
     assert got.tokens == 2 * CHUNK
     res = loader.call("orch.load_back", sid, loader.call("slots", 512, 2 * CHUNK))
     # Not registered with this daemon yet: no load is tried (the engine recomputes) ...

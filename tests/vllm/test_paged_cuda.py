@@ -178,7 +178,7 @@ def test_store_then_load_is_byte_exact_where_flash_attention_reads(worker):
     try:
         assert sched.orch.wait_registered(30)
         assert sched.orch.match("b#ask1", prompt[:n], local_hit_tokens=0).tokens == n
-        locked = sched.orch.hand_off("b#ask1", n)
+        locked = sched.orch.handoff.hand_off("b#ask1", n)
         assert locked
     finally:
         sched.close()
