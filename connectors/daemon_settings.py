@@ -31,6 +31,16 @@ class DaemonSettings:
     l2_adapters: tuple[dict, ...] = ()
 
 
+def adapter_kind(adapter: dict) -> str:
+    """resp, valkey, valkey cluster, fs or other: an `--l2-adapter` as `/config` lists it
+    (lmcache 0.5.6 leaves out its type: told by the keys only each one has)."""
+    if "startup_nodes" in adapter:
+        return "valkey" + (" cluster" if adapter.get("cluster_mode") else "")
+    if "host" in adapter and "port" in adapter:
+        return "resp"
+    return "fs" if "base_path" in adapter else "other"
+
+
 def admin_call(host: str, http_port: int, path: str, timeout_s: float, *,
                method: str = "GET", body: object = None) -> dict:
     """One JSON call to the admin API. Raises DaemonUnavailable (naming the URL) when it

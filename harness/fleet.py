@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry
 
-from lmcache_loadback.connectors.daemon_settings import admin_call
+from lmcache_loadback.connectors.daemon_settings import adapter_kind, admin_call
 from lmcache_loadback.connectors.errors import ConnectorError
 from lmcache_loadback.connectors.kv_layout import KVLayout
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
@@ -89,17 +89,11 @@ def l2_stores(config: dict) -> list[L2Store]:
     """The L2 adapters named in a daemon's `/config` (lmcache 0.5.6 omits their type)."""
     out = []
     for a in config.get("storage_manager", {}).get("l2_adapter_config", {}).get("adapters", []):
-        nodes: set[tuple[str, int]] = set()
-        if "startup_nodes" in a:
-            kind = "valkey" + (" cluster" if a.get("cluster_mode") else "")
+        kind, nodes = adapter_kind(a), set()
+        if kind.startswith("valkey"):
             nodes = {(str(h), int(p)) for h, p in a["startup_nodes"]}
-        elif "host" in a and "port" in a:
-            kind = "resp"
+        elif kind == "resp":
             nodes = {(str(a["host"]), int(a["port"]))}
-        elif "base_path" in a:
-            kind = "fs"
-        else:
-            kind = "other"
         skip = _NOT_IDENTITY | {"startup_nodes", "host", "port", "cluster_mode"}
         where = tuple(sorted((k, json.dumps(v)) for k, v in a.items() if k not in skip))
         out.append(L2Store(kind, frozenset(nodes), where))

@@ -110,8 +110,13 @@ class L2(_Section):
     canary_interval_ms: Annotated[float, Meta(
         ge=0, description="milliseconds between canary checks, 0 for none",
         extra={"unit": "ms"})] = 60000.0
-    # one whole canary check: its store, the wait for the L2 write, the load back
+    # one whole canary check: its store, the wait for the L2 write, the load back; also the
+    # fleet identity check at a registration (the model name's KV layout, kept in L2)
     canary_deadline_ms: _ms("deadlines are positive milliseconds") = 2000.0
+    # the fleet's --hash-algorithm: a daemon with an L2 that hashes otherwise is refused at
+    # registration (read from its admin API, mp_http_port)
+    hash_algorithm: Annotated[str, Meta(min_length=1, pattern=r"^\S+$",
+                                        description="the daemons' --hash-algorithm")] = "blake3"
 
 
 class Metrics(_Section):

@@ -18,7 +18,7 @@ __all__ = ["OPS", "REFUSALS", "label_sets", "product_metrics"]
 OPS: tuple[str, ...] = ("lookup", "retrieve", "store", "free_locks", "end_session", "ping",
                         "register")
 #: Why a daemon is refused at registration (`loadback_daemon_refused{reason}`).
-REFUSALS: tuple[str, ...] = ("chunk_size", "cpu_workers")
+REFUSALS: tuple[str, ...] = ("chunk_size", "cpu_workers", "hash_algorithm", "model_name")
 
 
 def label_sets() -> dict:

@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from lmcache_loadback.connectors.daemon_settings import admin_call, read_settings
+from lmcache_loadback.connectors.daemon_settings import adapter_kind, admin_call, read_settings
 from lmcache_loadback.connectors.errors import ConnectorError, DaemonTimeout
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
@@ -65,6 +65,19 @@ MIN_CALL_S = 0.05
 MAX_LEFTOVER_KEYS = 64 * MARKER_CHUNKS
 #: Where the canary is off, how often it reads the config again (live reload).
 IDLE_RECHECK_S = 1.0
+
+
+#: What `lost` means, by the daemon's (first) L2 adapter, with the fix.
+_LOST_HINTS = {
+    "resp": "the resp adapter never reconnects after its server restarted: restart the daemon "
+            "(or move it to the valkey adapter); resp does not speak Redis Cluster either",
+    "valkey": "the valkey adapter's server is down, hung or full (each write failed within "
+              "request_timeout; it reconnects by itself once the server answers); a Redis "
+              'Cluster needs "cluster_mode": true',
+    "valkey cluster": "a shard of the cluster is down, hung or full (the chunks on it are "
+                      "lost; set cluster-require-full-coverage no on every shard)",
+    "other": "check the L2 store and the daemon's log (`Store task N to adapter 0 failed`)",
+}
 
 
 def marker(chunk_size: int, chunks: int) -> tuple[list[int], KVPool]:
@@ -129,6 +142,7 @@ class L2Canary:
         self._leftovers: list[dict] = []
         self.checks = 0  # checks made (tests wait on it)
         self._failing: str | None = None  # the result of the run of failures now, if any
+        self._lost_hint = _LOST_HINTS["other"]
         self.last: tuple[str, str] | None = None  # (result, why) of the last check
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -217,6 +231,8 @@ class L2Canary:
             raise _Verdict("unchecked", str(exc)) from None
         if not settings.l2_adapters:
             return None
+        kind = adapter_kind(settings.l2_adapters[0])
+        self._lost_hint = _LOST_HINTS.get(kind, _LOST_HINTS["other"])
         conn = self._connector(cfg, settings.chunk_size)
         toks, pool = marker(settings.chunk_size, MARKER_CHUNKS)
         n = len(toks)
@@ -311,8 +327,8 @@ class L2Canary:
             except ConnectorError as exc:
                 raise _Verdict("unchecked", str(exc)) from None
             stores = st.get("storage_manager", {}).get("store_controllers", {}).values()
-            backlog = sum(int(s.get("pending_keys_count", 0)) + int(s.get("in_flight_task_count", 0))
-                          for s in stores)
+            backlog = sum(int(s.get("pending_keys_count", 0))
+                          + int(s.get("in_flight_task_count", 0)) for s in stores)
             if backlog:
                 time.sleep(min(POLL_S, max(0.0, left() - until)))
         return max(backlog, 0)
@@ -352,10 +368,7 @@ class L2Canary:
                         "dropped (L2 writes lag)" if backlog else "")
                 raise _Verdict("lost", f"the daemon {cfg.endpoint} took the marker's STORE but "
                                f"its L2 holds {hit} of {n} tokens{busy}: stores are lost "
-                               "silently. The resp adapter never reconnects after its server "
-                               "restarted: restart the daemon, or use the valkey adapter; "
-                               "a cluster needs the valkey adapter with cluster_mode; check "
-                               "the store's maxmemory")
+                               f"silently; {self._lost_hint}")
             got = conn.retrieve_into(toks, rid, pool, torch.arange(n, 2 * n), start=0, end=n,
                                      timeout_s=left(), cache_salt=CANARY_SALT)
             if got.commit is not None:

@@ -12,13 +12,14 @@ import time
 from typing import Callable
 
 from lmcache_loadback.connectors.base import Connector
-from lmcache_loadback.connectors.daemon_settings import read_settings
+from lmcache_loadback.connectors.daemon_settings import DaemonSettings, read_settings
 from lmcache_loadback.connectors.errors import ConnectorError, VersionSkew
 from lmcache_loadback.metrics import LoadbackMetrics
 from lmcache_loadback.metrics.instruments import TRANSFER_MODES
 
 from .config import LoadBackConfig
 from .debts import DebtBook
+from .fleet_identity import FleetIdentity
 from .instruments import REFUSALS
 from .policies import BreakerState, CircuitBreaker
 from .state_log import StateLog
@@ -39,7 +40,8 @@ PROBE_POLL_MIN_S = 0.05
 #: at once when a new daemon incarnation answers).
 REFUSED_RECHECK_S = 5.0
 #: What a refused daemon lacks, by `loadback_daemon_refused` reason (its ERROR line).
-_REFUSED_FOR = {"chunk_size": "chunk size", "cpu_workers": "CPU worker count"}
+_REFUSED_FOR = {"chunk_size": "chunk size", "cpu_workers": "CPU worker count",
+                "hash_algorithm": "hash algorithm", "model_name": "KV layout for its model name"}
 
 
 class DaemonLink(DebtBook):
@@ -84,6 +86,7 @@ class DaemonLink(DebtBook):
         self.refused: str | None = None
         self._transfer_logged: str | None = None
         self._on_tick: list[Callable[[], None]] = []
+        self._identity: FleetIdentity | None = None  # made at the first daemon with an L2
         for reason in REFUSALS:
             metrics.daemon_refused(reason, False)
         self.background = background
@@ -171,18 +174,38 @@ class DaemonLink(DebtBook):
         if not port:
             return None
         try:
-            workers = read_settings(self.config.mp_host, port, self.control_s).max_cpu_workers
+            settings = read_settings(self.config.mp_host, port, self.control_s)
         except ConnectorError as exc:  # its HTTP API may come up later: checked next time
-            self.states.change("settings_unread", "daemon %s: %s; its CPU worker count is "
-                               "not checked", self._endpoint, exc)
+            self.states.change("settings_unread", "daemon %s: %s; its CPU worker count and L2 "
+                               "are not checked", self._endpoint, exc)
             return None
+        workers = settings.max_cpu_workers
         if workers > 1:
             return "cpu_workers", (
                 f"daemon {self._endpoint} runs {workers} CPU workers (--max-workers or "
                 "--max-cpu-workers): a LOOKUP may still run when the fence behind it answers, "
                 "and a session ended then comes back with its read locks; start the daemon "
                 "with --max-cpu-workers 1 (--max-workers N still sets its GPU workers)")
-        return None
+        return self._fleet_refusal(settings) if settings.l2_adapters else None
+
+    def _fleet_refusal(self, settings: DaemonSettings) -> tuple[str, str] | None:
+        """A daemon with an L2 shares it with the fleet: the same keys need the fleet's hash
+        algorithm, and this model name must not name another KV layout there."""
+        want = self.config.l2.hash_algorithm
+        if settings.hash_algorithm != want:
+            return "hash_algorithm", (
+                f"daemon {self._endpoint} --hash-algorithm {settings.hash_algorithm}, the "
+                f"fleet's (l2.hash_algorithm) {want}: its chunks get other L2 keys than the "
+                f"fleet's, so nothing is shared; start the daemon with --hash-algorithm {want}, "
+                f"or set l2.hash_algorithm: {settings.hash_algorithm} on every engine if the "
+                "whole fleet hashes so")
+        if self._identity is None:
+            c = self.connector
+            self._identity = FleetIdentity(
+                self._endpoint, c.model_name, c.world_size, c.layout,
+                connect_timeout_s=self.config.deadlines.connect_ms / 1000)
+        why = self._identity.refusal(settings.chunk_size, self.config.l2.canary_deadline_ms / 1000)
+        return None if why is None else ("model_name", why)
 
     def suspect(self) -> None:
         """The daemon may have forgotten us: the heartbeat re-registers now, not at its next

@@ -9,16 +9,20 @@ module scope and started side by side (each takes seconds to start)."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from lmcache_loadback.cli import main as loadback
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from lmcache_loadback.harness import fleet
+from lmcache_loadback.orchestrator import LoadBackConfig, LoadBackOrchestrator
+from lmcache_loadback.orchestrator.instruments import product_metrics
 from lmcache_loadback.orchestrator.exit_codes import (
     EXIT_FAILED,
     EXIT_OK,
@@ -171,6 +175,63 @@ def test_fleet_check_refuses_daemons_of_another_chunk_size_before_storing(fleet_
     assert [(f.ok, f.code) for f in findings if not f.ok] == [(False, EXIT_FAILED)]
     assert findings[-1].line.startswith(f"chunk size: A {a.chunk_size}, B {d.chunk_size}:")
     assert shared.dbsize() == keys  # nothing was stored
+
+
+def _engine(d: DaemonProcess, layout: KVLayout, model: str, **l2) -> LoadBackOrchestrator:
+    """An orchestrator on `d` (its admin API named), registered by hand (`tick`)."""
+    cfg = LoadBackConfig.from_dict({"mp_port": d.port, "mp_http_port": d.http_port,
+                                    "chunk_size": d.chunk_size, "model_name": model,
+                                    "l2": {"canary_interval_ms": 0, **l2}})
+    conn = LMCacheMPConnector(d.endpoint, layout, model_name=model, transfer="pickle")
+    return LoadBackOrchestrator(cfg, conn, metrics=product_metrics(CollectorRegistry()),
+                                start_heartbeat=False)
+
+
+def test_an_engine_of_another_layout_under_the_fleets_model_name_is_refused(
+        fleet_one_redis, caplog):
+    shared, a, b, _, _ = fleet_one_redis
+    model = f"fleet-model-{time.monotonic_ns()}"
+    fp16 = KVLayout(num_layers=2, num_heads=2, head_dim=32, dtype=torch.float16,
+                    chunk_size=LAYOUT.chunk_size)
+    first, other, same = _engine(a, LAYOUT, model), _engine(b, fp16, model), _engine(b, LAYOUT, model)
+    try:
+        keys = shared.dbsize()
+        first.tick()  # the first engine of this model name records its layout in L2
+        assert first.link.registered() and first.link.refused is None
+        deadline = time.monotonic() + 5
+        while shared.dbsize() == keys and time.monotonic() < deadline:  # L2 writes are async
+            time.sleep(0.01)
+        with caplog.at_level(logging.ERROR, logger="loadback"):
+            other.tick()  # another dtype under that name, on another daemon of the fleet
+        assert not other.link.registered()
+        assert other.link.refused.startswith(f"model_name {model!r} (world size 1) is used in "
+                                             "this fleet's L2 for a KV layout of 2 layers x 2 "
+                                             "heads x 32 dim bfloat16")
+        assert "this engine's is 2 layers x 2 heads x 32 dim float16" in other.link.refused
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "give this engine a model_name of its own" in errors[0]
+        assert other.metrics.snapshot()["loadback_daemon_refused{reason=model_name}"] == 1
+        same.tick()  # the fleet's layout on that daemon is accepted
+        assert same.link.registered()
+    finally:
+        for o in (first, other, same):
+            o.close()
+    _assert_idle(a, b)
+
+
+def test_a_daemon_hashing_otherwise_than_the_fleet_is_refused(fleet_one_redis):
+    _, a, _, _, _ = fleet_one_redis
+    orch = _engine(a, LAYOUT, "loadback", hash_algorithm="sha256_cbor")
+    try:
+        orch.tick()
+        assert not orch.link.registered()
+        assert orch.link.refused.startswith(
+            f"daemon {a.endpoint} --hash-algorithm blake3, the fleet's (l2.hash_algorithm) "
+            "sha256_cbor: its chunks get other L2 keys")
+        assert orch.metrics.snapshot()["loadback_daemon_refused{reason=hash_algorithm}"] == 1
+    finally:
+        orch.close()
+    _assert_idle(a)
 
 
 def test_fleet_check_names_stores_that_never_reach_l2(fleet_one_redis, capsys):

@@ -114,7 +114,8 @@ def test_canary_finds_stores_lost_after_the_l2_server_restarts(resp_fleet, caplo
             assert canary.check() == "lost", canary.last
         assert f"its L2 holds 0 of {MARKER_CHUNKS * d.chunk_size} tokens" in canary.last[1]
         warned = [r.getMessage() for r in caplog.records if "L2 canary lost" in r.getMessage()]
-        assert len(warned) == 1 and "restart the daemon" in warned[0]  # once per change
+        assert len(warned) == 1 and "never reconnects after its server restarted: restart the " \
+            "daemon" in warned[0]  # once per change
         assert _series(metrics, "loadback_l2_canary_consecutive_failures") == 2
         assert _series(metrics, 'loadback_l2_canary_checks_total{result=lost}') == 2
         _idle(d)
