@@ -49,10 +49,8 @@ def _series(metrics, name: str) -> float:
 
 
 def _idle(d: DaemonProcess) -> None:
-    held = d.held()
-    assert {k: held[k] for k in ("read_locks", "write_locks", "sessions", "prefetch_jobs",
-                                 "objects")} == dict.fromkeys(
-        ("read_locks", "write_locks", "sessions", "prefetch_jobs", "objects"), 0), held
+    """No hold of any kind, and no marker left in its L1."""
+    assert d.client_holds() == {} and d.held()["objects"] == 0, d.held()
 
 
 def test_canary_loads_its_marker_back_from_l2_and_leaves_nothing_behind(resp_fleet):
