@@ -194,7 +194,7 @@ class LoadBackConfig(_Section):
             raise ConfigError(
                 f"{', '.join(changed)}: cannot change while running; restart the engine to "
                 "apply it (policy keys reload live: deadlines, retries, breaker, break_even, "
-                "heartbeat)")
+                "heartbeat, l2)")
 
     # -- loading -------------------------------------------------------------
 

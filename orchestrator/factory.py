@@ -45,8 +45,9 @@ def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, me
     watch_daemon(orch, endpoint, config.transfer)
     if owned is not None:
         orch.on_close(owned.close)
-    # One canary per engine: its rank 0 that holds KV (vLLM's scheduler process holds none).
-    if config.mode == "mp" and config.mp_http_port and kv_rank == 0 and kv_pool is not None:
+    # One canary per engine: its rank 0 that holds KV (vLLM's scheduler process holds none);
+    # it idles while l2.canary_interval_ms or mp_http_port is 0 (both reload live).
+    if config.mode == "mp" and kv_rank == 0 and kv_pool is not None:
         from .l2_canary import start_l2_canary
 
         start_l2_canary(orch)

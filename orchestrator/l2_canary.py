@@ -157,8 +157,9 @@ class L2Canary:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                interval = self.config().l2.canary_interval_ms / 1000
-                if interval <= 0:
+                cfg = self.config()
+                interval = cfg.l2.canary_interval_ms / 1000
+                if interval <= 0 or not cfg.mp_http_port:  # off (both reload live)
                     self.metrics.l2_canary_running(0)
                     self._stop.wait(IDLE_RECHECK_S)
                     continue
