@@ -129,6 +129,9 @@ class SGLang(_Section):
     """The SGLang plugin's settings (lmcache_loadback.engines.sglang)."""
 
     allow_untested: bool = False       # start on an SGLang release this product was not tested on
+    # 0.5.23 (TP 1): matches run at once on the LOOKUP worker; read at start
+    lookup_threads: Annotated[int, Meta(ge=1, le=64, description=(
+        "LOOKUP worker threads, 1 to 64"))] = 1
 
 
 class LoadBackConfig(_Section):

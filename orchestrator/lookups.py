@@ -45,11 +45,13 @@ class AsyncLookups(WorkerThread):
     queue = "lookup"
 
     def __init__(self, orch, *, max_queued: int = 256, name: str = "loadback-lookup",
-                 end_misses: bool = False) -> None:
+                 end_misses: bool = False, threads: int = 1) -> None:
+        """`threads`: matches run at once (`lookup_threads`): several requests' LOOKUPs and
+        prepares then overlap on the daemon's two pools and with this process's own work."""
         self.name = name
         self.end_misses = end_misses
         self.expired = 0     # LOOKUPs never sent: past their deadline or abandoned when dequeued
-        super().__init__(orch, max_queued=max_queued)
+        super().__init__(orch, max_queued=max_queued, threads=threads)
 
     def _count_skipped(self) -> None:
         if self.metrics is not None:  # the request goes without a LOOKUP: it recomputes
@@ -101,8 +103,8 @@ class AsyncLookups(WorkerThread):
                 # Past its deadline the answer is a miss whatever the daemon says: no
                 # LOOKUP (nor prepare_retrieve) pins the daemon's memory for it.
                 skip = job.abandoned or time.monotonic() >= job.deadline
+                self.expired += skip
             if skip:
-                self.expired += 1
                 log.debug("lookup %s not sent: past its deadline or dropped", job.request_id)
             else:
                 ran = True

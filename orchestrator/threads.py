@@ -10,14 +10,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 log = logging.getLogger("loadback.hook")
 
 
 class WorkerThread:
-    """One daemon thread serving a queue; `_serve` completes every job it is given, on every
-    path. A thread that dies all the same (anything past `_serve`'s handlers) is replaced
-    where the engine's thread next touches the worker (`ensure_alive`), counted
+    """`threads` daemon threads (one unless told) serving one queue; `_serve` completes every
+    job it is given, on every path, and may run on several threads at once. A thread that
+    dies all the same (anything past `_serve`'s handlers) is replaced where the engine's
+    thread next touches the worker (`ensure_alive`), counted
     (`loadback_worker_thread_restarts_total`) and logged at ERROR the first time; jobs never
     run inline instead: the engine's thread (SGLang's scheduler, vLLM's forward loop) must
     never wait on the daemon. `depth` is exported whenever a job is queued or completes."""
@@ -25,10 +27,12 @@ class WorkerThread:
     name = "loadback-worker"
     queue = "lookup"  # which depth series it sets (LoadbackMetrics.queue_depth)
 
-    def __init__(self, orch, *, max_queued: int) -> None:
+    def __init__(self, orch, *, max_queued: int, threads: int = 1) -> None:
         if max_queued < 1:
             raise ValueError(f"{type(self).__name__} max_queued must be at least 1, "
                              f"got {max_queued}")
+        if threads < 1:
+            raise ValueError(f"{type(self).__name__} threads must be at least 1, got {threads}")
         self.max_queued = max_queued
         self.skipped = 0     # jobs refused: max_queued were held already
         self.orch = orch
@@ -40,29 +44,38 @@ class WorkerThread:
         self._closed = False
         self.depth = 0       # jobs submitted and not yet completed (queued or running)
         self.restarts = 0    # threads that died and were replaced
-        self._thread = self._start()
+        self._threads = [self._start(i) for i in range(threads)]
 
-    def _start(self) -> threading.Thread:
-        t = threading.Thread(target=self._run, name=self.name, daemon=True)
+    @property
+    def _thread(self) -> threading.Thread:
+        """The first thread (the only one unless `threads` said more)."""
+        return self._threads[0]
+
+    def _start(self, i: int) -> threading.Thread:
+        name = self.name if i == 0 else f"{self.name}-{i}"
+        t = threading.Thread(target=self._run, name=name, daemon=True)
         t.start()
         return t
 
     def ensure_alive(self) -> None:
         """The engine's thread (submit, poll): replace a thread that died; the jobs it left
-        queued are served by the new one (the one it was running was completed on its way
-        out)."""
-        if self._closed or self._thread.is_alive():
+        queued are served by the others and the new one (the one it was running was
+        completed on its way out)."""
+        if self._closed:
             return
-        self.restarts += 1
-        if self.metrics is not None:
-            self.metrics.worker_thread_restarted()
-        if self.restarts == 1:
-            log.error("loadback: the %s thread died (an exception got past its handlers); "
-                      "a new one serves its queue", self.name)
-        else:
-            log.debug("loadback: the %s thread died again; restarted (%d times)", self.name,
-                      self.restarts)
-        self._thread = self._start()
+        for i, t in enumerate(self._threads):
+            if t.is_alive():
+                continue
+            self.restarts += 1
+            if self.metrics is not None:
+                self.metrics.worker_thread_restarted()
+            if self.restarts == 1:
+                log.error("loadback: the %s thread died (an exception got past its "
+                          "handlers); a new one serves its queue", t.name)
+            else:
+                log.debug("loadback: the %s thread died again; restarted (%d times)",
+                          t.name, self.restarts)
+            self._threads[i] = self._start(i)
 
     def _held(self) -> int:
         """Jobs that still hold what they were given (queued or running)."""
@@ -101,8 +114,11 @@ class WorkerThread:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._closed = True
-        self._q.put(None)
-        self._thread.join(timeout=timeout_s)
+        for _ in self._threads:
+            self._q.put(None)  # one stop per thread, behind the jobs queued
+        end = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(timeout=max(0.0, end - time.monotonic()))
 
     def _run(self) -> None:
         while (job := self._q.get()) is not None:

@@ -74,7 +74,8 @@ class LoadBackRadixCache(PrefetchHooks, StoreHooks, RadixCache):
         # LOOKUP runs on the scheduler thread (bounded by deadlines.lookup_ms).
         if async_lookups is None:
             async_lookups = self.shim.prefix_len_api and tp_size == 1
-        self._worker = AsyncLookups(self.orch) if async_lookups else None
+        self._worker = AsyncLookups(self.orch, threads=config.sglang.lookup_threads) \
+            if async_lookups else None
         self._store_worker = StoreWorker(self.orch)
         self._ids = 0
         self._id_lock = threading.Lock()

@@ -64,6 +64,8 @@ class Concurrent:
 #: Our contender, the bound (N concurrent copies) and LMCache's (page 256: its best case;
 #: its daemon's workers as shipped, 1, and tuned).
 OURS, COPIES = "ours", "copies"
+#: Ours with several LOOKUP worker threads (`sglang.lookup_threads`), side by side with ours.
+PIPELINED, PIPELINED_THREADS = "ours-pipelined", 4
 LMCACHE = ("lmcache-p256", "lmcache-p256-tuned")
 #: Judged cells (H200 targets of issue 25): N 8 and 16 at S 4k and 16k, CUDA only.
 JUDGED_N, JUDGED_S = (8, 16), (4096, 16384)
@@ -96,6 +98,11 @@ def cell_row(n: int, tokens: int, steps: dict[str, list[Concurrent]], extra: dic
     row["bound_ms"] = bound
     lmc = [row["contenders"][k] for k in LMCACHE if k in row["contenders"]]
     ours = row["contenders"].get(OURS)
+    piped = row["contenders"].get(PIPELINED)
+    if ours and piped:  # > 1: the pipelined matches answer sooner / the step ends sooner
+        if ours.get("matched_ms") and piped.get("matched_ms"):
+            row["pipelined_match_ratio"] = ours["matched_ms"] / piped["matched_ms"]
+        row["pipelined_makespan_ratio"] = ours["makespan_ms"] / piped["makespan_ms"]
     if lmc and ours:
         best = min(lmc, key=lambda m: m["makespan_ms"])
         row["vs_lmcache"] = best["makespan_ms"] / ours["makespan_ms"]
@@ -149,11 +156,13 @@ def print_report(rows, notes: dict[str, str], device: str, layout_line: str) -> 
                          fmt(m.get("matched_ms"))])
     print_table(heads, body)
     ratios = [[r["n"], size_label(r["tokens"]), fmt(r["contenders"].get(OURS, {}).get(
-        "bound_ratio"), 3), fmt(r.get("vs_lmcache"), 3), fmt(r.get("p99_vs_lmcache"), 3)]
+        "bound_ratio"), 3), fmt(r.get("vs_lmcache"), 3), fmt(r.get("p99_vs_lmcache"), 3),
+        fmt(r.get("pipelined_match_ratio"), 3), fmt(r.get("pipelined_makespan_ratio"), 3)]
         for r in rows]
     print()
     print_table(["N", "S", "bound / ours", "LMCache / ours (makespan)",
-                 "LMCache / ours (p99 ready)"], ratios)
+                 "LMCache / ours (p99 ready)", "ours / pipelined (matched)",
+                 "ours / pipelined (makespan)"], ratios)
 
 
 def print_verdict(figures: dict, met: dict, cuda: bool) -> None:

@@ -38,6 +38,8 @@ from .gpu_concurrency import (  # noqa: E402
     GRID_S,
     LMCACHE,
     OURS,
+    PIPELINED,
+    PIPELINED_THREADS,
     TARGETS,
     cell_row,
     distinct_prefixes,
@@ -171,7 +173,10 @@ def _contenders(daemons, layout, dev, n_max, s_max, closers, dropped):
     closers.append(ours.close)
     ours.store()
     store_s[OURS] = time.perf_counter() - t0
-    contenders = {OURS: ours, COPIES: CopiesStep(layout, n_max, s_max, dev, clock)}
+    piped = ours.sibling(PIPELINED_THREADS)
+    closers.append(piped.close)
+    contenders = {OURS: ours, PIPELINED: piped,
+                  COPIES: CopiesStep(layout, n_max, s_max, dev, clock)}
     timeout = None if dev.type == "cuda" else CPU_LMCACHE_TIMEOUT_S
     for i, name in enumerate(k for k in LMCACHE if k in daemons):
         d = daemons[name]

@@ -19,6 +19,7 @@ step started and when each request's bytes were in the pool.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from dataclasses import dataclass
@@ -125,7 +126,8 @@ class OursStep:
                                                 "model_name": MODEL, **extra})
         self.conn = LMCacheMPConnector(endpoint, layout, model_name=MODEL, device=dev)
         self.orch = LoadBackOrchestrator(self.config, self.conn, kv_pool=dst)
-        self.lookups = AsyncLookups(self.orch)
+        self.lookups = AsyncLookups(self.orch, threads=self.config.sglang.lookup_threads)
+        self.owner = True  # closes the orchestrator (a sibling shares it)
         self.layout, self.dst, self.clock = layout, dst, clock
         self.work, self.slots = work, slots
         if not self.orch.wait_registered(T):
@@ -134,6 +136,15 @@ class OursStep:
             raise RuntimeError(f"ours: the daemon offers {self.conn.transfer}, not shm")
         #: Per step: seconds after the start when the last request's match was answered.
         self.matched_s: list[float] = []
+
+    def sibling(self, threads: int) -> "OursStep":
+        """The same engine (connector, orchestrator, slots) with `threads` LOOKUP worker
+        threads (`sglang.lookup_threads`): its steps run side by side with this one's."""
+        twin = copy.copy(self)
+        twin.lookups = AsyncLookups(self.orch, threads=threads)
+        twin.matched_s, twin.owner = [], False
+        twin.note = f"the same, sglang.lookup_threads {threads}: {threads} matches at once"
+        return twin
 
     def store(self) -> None:
         w = self.work
@@ -200,7 +211,8 @@ class OursStep:
 
     def close(self) -> None:
         self.lookups.close()
-        self.orch.close()
+        if self.owner:
+            self.orch.close()
 
 
 class LMCacheStep:

@@ -32,14 +32,20 @@ def test_bench_gpu_concurrency_on_cpu_proves_times_and_reports_each_cell(
     assert [(r["n"], r["tokens"]) for r in report["rows"]] == [(1, 1024), (4, 1024)]
     for r in report["rows"]:
         c = r["contenders"]
-        assert set(c) == {"ours", "copies"}
+        assert set(c) == {"ours", "ours-pipelined", "copies"}
         for name, m in c.items():
             assert m["repeats"] == 2 and len(m["makespan_samples_ms"]) == 2
             assert 0 < m["p50_ready_ms"] <= m["p99_ready_ms"] <= m["makespan_ms"] + 1e-9
             assert m["gbps"] == pytest.approx(r["n"] * 1024 * 2048 / m["makespan_ms"] * 1e3 / 1e9)
         assert r["bound_ms"] == pytest.approx(c["copies"]["makespan_ms"])
         assert c["ours"]["bound_ratio"] == pytest.approx(r["bound_ms"] / c["ours"]["makespan_ms"])
-        assert 0 < c["ours"]["matched_ms"] <= c["ours"]["makespan_ms"]
+        for k in ("ours", "ours-pipelined"):
+            assert 0 < c[k]["matched_ms"] <= c[k]["makespan_ms"]
+        # several LOOKUP threads side by side with one: the ratios of their own medians
+        assert r["pipelined_match_ratio"] == pytest.approx(
+            c["ours"]["matched_ms"] / c["ours-pipelined"]["matched_ms"])
+        assert r["pipelined_makespan_ratio"] == pytest.approx(
+            c["ours"]["makespan_ms"] / c["ours-pipelined"]["makespan_ms"])
     # no judged cell on a CPU device: no target judged, and the run says so
     assert report["judged_cells"] == [] and report["targets_met"] == {}
     assert "targets not judged: a CPU device" in printed

@@ -416,3 +416,28 @@ def test_a_dead_worker_thread_is_noticed_and_replaced(live_daemon, make_cache, c
     daemon_idle(live_daemon, orch)
     died = [m for m in errors(caplog) if "died" in m]
     assert len(died) == 1, errors(caplog)
+
+
+@pytest.mark.skipif(not NEW_API, reason="0.5.20 looks up in match_prefix, on the scheduler")
+def test_several_lookup_threads_load_each_request_of_a_step_byte_exact(live_daemon,
+                                                                       make_cache):
+    """sglang.lookup_threads 3: four requests queued in one pass are matched on three
+    threads; each loads its own prefix back byte-exact and the daemon ends idle."""
+    cache = make_cache(16, make_config(live_daemon.port, sglang={"lookup_threads": 3}))
+    ready(cache)
+    s = Sched(cache)
+    prefixes = [fresh_ids(2 * CHUNK) for _ in range(4)]
+    for ids in prefixes:
+        store(s, ids)
+    assert len(cache._worker._threads) == 3
+    reqs = [s.new_req(f"step-{i}", ids + [9]) for i, ids in enumerate(prefixes)]
+    for r in reqs:
+        s.prefetch(r)
+    for r, ids in zip(reqs, prefixes):  # one step admits all four, then they finish
+        got = s.admit(r, prefetch=False)
+        assert got["loaded"] == len(ids) and kv_matches(s.pool, got["loaded_slots"], ids, 0)
+    for r in reqs:
+        s.finish(r)
+    s.flush()
+    tree_consistent(cache, idle=True)
+    daemon_idle(live_daemon, cache.orch)

@@ -158,3 +158,23 @@ def test_a_dead_lookup_thread_is_replaced_where_the_engine_next_polls():
         assert later.done.wait(WAIT_S) and lookups.answer(later) == 64
     finally:
         lookups.close()
+
+
+def test_several_lookup_threads_run_that_many_matches_at_once():
+    """`threads=3` (sglang.lookup_threads): three matches are inside the daemon call together
+    while a fourth waits its turn; every one is answered and close stops every thread."""
+    orch = HeldOrchestrator()
+    lookups = AsyncLookups(orch, threads=3)
+    try:
+        jobs = [lookups.submit(f"r{i}", [i] * 64, 0, "", ahead()) for i in range(4)]
+        wait_until(lambda: len(orch.asked) == 3, "three matches at once")
+        assert not any(j.done.is_set() for j in jobs) and lookups.depth == 4
+        orch.go.set()
+        assert all(j.done.wait(WAIT_S) for j in jobs)
+        assert [lookups.answer(j) for j in jobs] == [64] * 4
+        assert sorted(orch.asked) == ["r0", "r1", "r2", "r3"]
+    finally:
+        lookups.close()
+    assert not any(t.is_alive() for t in lookups._threads) and len(lookups._threads) == 3
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        AsyncLookups(orch, threads=0)
