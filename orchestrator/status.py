@@ -1,6 +1,8 @@
 """`loadback status`: how a running deployment is, read from its /metrics (`run`; tests call
-`parse`, `summarize` and `render`). Only the standard library and prometheus_client's text
-parser are imported: no torch, no SGLang.
+`parse`, `summarize`, `report` and `render`). One set of lines per process where the endpoint
+labels each process's series apart (vLLM's /metrics: `loadback_process`), one otherwise.
+Only the standard library, prometheus_client's text parser and the metrics package's names are
+imported: no torch, no SGLang.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
+
+from lmcache_loadback.metrics.snapshots import PROCESS_LABEL, TAKEN_AT
 
 from .exit_codes import EXIT_OK, EXIT_UNAVAILABLE
 
@@ -68,6 +72,35 @@ def parse(text: str) -> Samples:
     return out
 
 
+def by_process(samples: Samples) -> dict[str, Samples]:
+    """The samples of each process where they carry `PROCESS_LABEL` (vLLM's /metrics: the
+    scheduler and each worker rank, named `rank0 (engine 1)` when vLLM runs several engines),
+    else {"": samples}: summed together, a gauge of several processes means nothing (two
+    ranks' breakers, one open, read 4)."""
+    keyed = [(lab.get("engine", ""), lab.get(PROCESS_LABEL, ""))
+             for rows in samples.values() for lab, _ in rows]
+    if not any(process for _, process in keyed):
+        return {"": samples}
+    several = len({engine for engine, _ in keyed}) > 1
+    out: dict[str, Samples] = {}
+    for (engine, process) in sorted(set(keyed), key=_process_order):
+        name = (process or "unlabelled") + (f" (engine {engine})" if several else "")
+        out[name] = {}
+        for sample, rows in samples.items():
+            mine = [(lab, v) for lab, v in rows
+                    if (lab.get("engine", ""), lab.get(PROCESS_LABEL, "")) == (engine, process)]
+            if mine:
+                out[name][sample] = mine
+    return out
+
+
+def _process_order(key: tuple[str, str]) -> tuple:
+    """The scheduler first, then the ranks in numeric order, per engine."""
+    engine, process = key
+    rank = process[4:] if process.startswith("rank") else ""
+    return (engine, process != "scheduler", int(rank) if rank.isdigit() else -1, process)
+
+
 def _one(samples: Samples, name: str, **labels: str) -> float | None:
     """The value of `name{labels}` (summed over any other labels), None when absent."""
     rows = [v for lab, v in samples.get(name, ()) if all(lab.get(k) == w for k, w in labels.items())]
@@ -87,27 +120,16 @@ def summarize(samples: Samples, *, url: str, now: float | None = None) -> dict[s
     breaker = _one(samples, "loadback_breaker_state")
     modes = [lab.get("mode") for lab, v in samples.get("loadback_transfer_mode", ()) if v > 0]
     live = {lab.get("state", ""): int(v) for lab, v in samples.get("loadback_live_prefixes", ())}
-    last = [(v, lab.get("reason", "")) for lab, v in
-            samples.get("loadback_last_degraded_timestamp_seconds", ()) if v > 0]
     degraded = {lab.get("reason", ""): int(v) for lab, v in
                 samples.get("loadback_prefix_outcomes_total", ()) if lab.get("state") == "degraded"}
     waits = _one(samples, "loadback_scheduler_wait_seconds_count")
     wait_sum = _one(samples, "loadback_scheduler_wait_seconds_sum")
-    counts = dict(degraded)
-    skipped_at = max((v for _, v in samples.get("loadback_last_skipped_timestamp_seconds", ())),
-                     default=0.0)
-    if skipped_at:  # an outage skips LOOKUPs and degrades nothing: it is a refusal too
-        last.append((skipped_at, SKIPPED))
-        counts[SKIPPED] = _int(_one(samples, "loadback_lookups_total", result="skipped"))
-    if last:
-        at, reason = max(last)
-        refusal = {"reason": reason, "at": at, "ago_s": round(max(0.0, now - at), 3),
-                   "count": counts.get(reason)}
-    else:
-        refusal = None
+    taken_at = _one(samples, TAKEN_AT)
     return {
         "url": url,
         "l2_canary": _canary(samples, now),
+        # vLLM's /metrics: how old this process's snapshot is (None: live series)
+        "snapshot_age_s": None if taken_at is None else round(max(0.0, now - taken_at), 3),
         "daemon": {
             "endpoint": ", ".join(sorted({lab.get("endpoint", "?") for lab, _ in info})) or None,
             "transfer_setting": ", ".join(sorted({lab.get("transfer", "?") for lab, _ in info}))
@@ -132,9 +154,28 @@ def summarize(samples: Samples, *, url: str, now: float | None = None) -> dict[s
         "fences_dropped": _int(_one(samples, "loadback_fences_dropped_total")),
         "scheduler_wait": None if not waits else {
             "calls": int(waits), "mean_ms": round((wait_sum or 0.0) / waits * 1000, 3)},
-        "last_refusal": refusal,
+        "last_refusal": _last_refusal(samples, degraded, now),
         "degraded_total": sum(degraded.values()) if degraded else None,
     }
+
+
+def _last_refusal(samples: Samples, degraded: dict[str, int], now: float
+                  ) -> dict[str, Any] | None:
+    """The latest degrade (its reason, when, how many so far) or skipped LOOKUP, whichever
+    came last; None when there was neither."""
+    last = [(v, lab.get("reason", "")) for lab, v in
+            samples.get("loadback_last_degraded_timestamp_seconds", ()) if v > 0]
+    counts: dict[str, int | None] = dict(degraded)
+    skipped_at = max((v for _, v in samples.get("loadback_last_skipped_timestamp_seconds", ())),
+                     default=0.0)
+    if skipped_at:  # an outage skips LOOKUPs and degrades nothing: it is a refusal too
+        last.append((skipped_at, SKIPPED))
+        counts[SKIPPED] = _int(_one(samples, "loadback_lookups_total", result="skipped"))
+    if not last:
+        return None
+    at, reason = max(last)
+    return {"reason": reason, "at": at, "ago_s": round(max(0.0, now - at), 3),
+            "count": counts.get(reason)}
 
 
 def _canary(samples: Samples, now: float) -> dict[str, Any] | None:
@@ -175,12 +216,42 @@ SKIPPED = "skipped"
 _SKIPPED_SAYS = "skipped: no LOOKUP sent, breaker open or not registered"
 
 
+def report(samples: Samples, *, url: str, now: float | None = None) -> dict[str, Any]:
+    """`summarize` of the endpoint, or where it labels its series by process, of each process
+    apart: {"url", "processes": {name: fields}}."""
+    groups = by_process(samples)
+    if list(groups) == [""]:
+        return summarize(samples, url=url, now=now)
+    return {"url": url, "processes": {
+        name: {k: v for k, v in summarize(group, url=url, now=now).items() if k != "url"}
+        for name, group in groups.items()}}
+
+
+#: Said under the title of a report per process: where those series come from.
+PER_PROCESS_SAYS = "one set per process, as it last shipped them (vLLM ships while it runs steps)"
+
+
 def _na(x: object) -> str:
     return "n/a" if x is None else str(x)
 
 
 def render(st: dict[str, Any]) -> str:
-    """The human table."""
+    """The human table: one set of lines, or one per process under its name."""
+    title = f"loadback status of {st['url']}"
+    if "processes" not in st:
+        rows = _rows(st)
+        width = max(len(k) for k, _ in rows)
+        return "\n".join([title] + [f"  {k:<{width}}  {v}" for k, v in rows])
+    sets = {name: _rows(fields) for name, fields in st["processes"].items()}
+    width = max(len(k) for rows in sets.values() for k, _ in rows)
+    lines = [title, f"  {PER_PROCESS_SAYS}"]
+    for name, rows in sets.items():
+        lines.append(f"  process {name}")
+        lines += [f"    {k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def _rows(st: dict[str, Any]) -> list[tuple[str, str]]:
     d = st["daemon"]
     daemon = _na(d["endpoint"])
     extra = []
@@ -229,9 +300,9 @@ def render(st: dict[str, Any]) -> str:
         ("last refusal", refusal),
         ("l2 canary", _render_canary(st.get("l2_canary"))),
     ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join([f"loadback status of {st['url']}"]
-                     + [f"  {k:<{width}}  {v}" for k, v in rows])
+    if st.get("snapshot_age_s") is not None:
+        rows.append(("snapshot", f"{st['snapshot_age_s']:.0f} s old"))
+    return rows
 
 
 def status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -245,7 +316,7 @@ def status(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
         raise StatusUnavailable(fix_hint(url,
             "it serves no loadback_* series (is SGLang's --radix-cache-backend loadback, or "
             "vLLM's kv_connector LoadBackConnector, on?)"))
-    return summarize(samples, url=url)
+    return report(samples, url=url)
 
 
 def run(args) -> int:

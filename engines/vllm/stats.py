@@ -1,7 +1,8 @@
 """The `loadback_*` series on vLLM's own /metrics, through vLLM's KV connector stats: each
 process (the scheduler side, every worker rank) ships a snapshot of its registry at most once a
 second while vLLM runs steps; vLLM carries it to the API server, which exposes the latest
-snapshot of each process with vLLM's labels and `loadback_process` (docs/vllm.md, "Metrics").
+snapshot of each process with vLLM's labels and `loadback_process` (docs/vllm.md, "Metrics"),
+and when it was taken (`loadback_snapshot_timestamp_seconds`: an idle server ships none).
 """
 
 from __future__ import annotations
@@ -11,38 +12,27 @@ import time
 from typing import Any
 
 from prometheus_client import REGISTRY
-from prometheus_client.metrics_core import Metric
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
 
+from lmcache_loadback.metrics.snapshots import PROCESS_LABEL, Snapshot, families, snapshot
+
 #: at most one snapshot per process this often (seconds)
 SHIP_EVERY_S = 1.0
-#: families the scheduler process ships: its LOOKUPs and its view of the daemon. Its prefixes
-#: all end `unused` once their load is handed to the worker ranks, which count the loads.
+#: families the scheduler process ships: its LOOKUPs, their queue and its view of the daemon
+#: (what `loadback status` shows of it). Its prefixes all end `unused` once their load is
+#: handed to the worker ranks, which count the loads.
 SCHEDULER_FAMILIES = frozenset({
     "loadback_lookups", "loadback_lookup_duration_seconds", "loadback_timeouts",
     "loadback_retries", "loadback_breaker_state", "loadback_breaker_transitions",
     "loadback_daemon_up", "loadback_reregistrations", "loadback_late_replies",
     "loadback_stale_releases_dropped", "loadback_transfer_mode", "loadback_releases_failed",
+    "loadback_daemon_info", "loadback_daemon_refused", "loadback_registered_epoch",
+    "loadback_last_skipped_timestamp_seconds", "loadback_lookup_queue_depth",
+    "loadback_owed_releases", "loadback_fences_dropped", "loadback_worker_thread_restarts",
 })
-PROCESS_LABEL = "loadback_process"
-
-Snapshot = list  # [[family, type, help, [[sample, {label: value}, value], ...]], ...]
-
-
-def snapshot(registry, families: frozenset[str] | None = None) -> Snapshot:
-    """The registry's families now (plain lists: vLLM pickles and msgpacks them), without
-    `_created` samples (a process's own timestamps)."""
-    out = []
-    for fam in registry.collect():
-        if families is not None and fam.name not in families:
-            continue
-        samples = [[s.name, dict(s.labels), float(s.value)] for s in fam.samples
-                   if not s.name.endswith("_created")]
-        out.append([fam.name, fam.type, fam.documentation, samples])
-    return out
 
 
 class Shipper:
@@ -62,7 +52,8 @@ class Shipper:
         if self._registry is None or now < self._next:
             return None
         self._next = now + SHIP_EVERY_S
-        return LoadBackStats(data={self.process: snapshot(self._registry, self._families)})
+        return LoadBackStats(data={self.process: snapshot(self._registry, self._families,
+                                                          taken_at=time.time())})
 
 
 class LoadBackStats(KVConnectorStats):
@@ -121,12 +112,6 @@ class LoadBackPromMetrics(KVConnectorPromMetrics):
     def collect(self):
         with LoadBackPromMetrics._lock:
             latest = sorted(self._latest.items())
-        merged: dict[str, Metric] = {}
-        for (engine_idx, process), fams in latest:
-            extra = dict(zip(self._labelnames, map(str, self.per_engine_labelvalues.get(
-                engine_idx, [])))) | {PROCESS_LABEL: process}
-            for name, typ, doc, samples in fams:
-                fam = merged.setdefault(name, Metric(name, doc, typ))
-                for sample, labels, value in samples:
-                    fam.add_sample(sample, {**labels, **extra}, value)
-        return list(merged.values())
+        return families((dict(zip(self._labelnames, map(str, self.per_engine_labelvalues.get(
+            engine_idx, [])))) | {PROCESS_LABEL: process}, fams)
+            for (engine_idx, process), fams in latest)

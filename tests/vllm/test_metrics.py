@@ -1,6 +1,7 @@
 """The loadback_* series on vLLM's /metrics: both sides' snapshots through vLLM's own KV
 connector stats path (`KVConnectorProm`, built as vLLM's Prometheus stat logger builds it),
-after a real store and load against the real daemon."""
+after a real store and load against the real daemon, and `loadback status` reading them per
+process."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from lmcache_loadback.engines.vllm import stats
+from lmcache_loadback.orchestrator import status
 
 from .mini_engine import MiniEngine
 from .test_connector import HIT, PROMPT, stored
@@ -59,6 +61,15 @@ def test_both_sides_series_reach_vllms_registry(model_config, daemon, yaml_for, 
         assert value(seen, "loadback_prefix_outcomes_total", loadback_process="scheduler") == 0
         # vLLM's log line for the interval
         assert got.reduce().get("prefixes_loaded") == 1
+        # `loadback status` of that /metrics: one set of lines per process, never summed
+        st = status.report(status.parse(generate_latest(REGISTRY).decode()), url="vllm")
+        assert list(st["processes"]) == ["scheduler", "rank0"], st
+        for process in st["processes"].values():
+            assert process["breaker"] == "closed" and process["daemon"]["up"] is True
+            assert process["registration_epoch"] == 0 and process["snapshot_age_s"] < 60
+        assert st["processes"]["rank0"]["live_prefixes"] is not None
+        assert st["processes"]["scheduler"]["live_prefixes"] is None  # its prefixes: unused
+        print(status.render(st))
         # one snapshot per SHIP_EVERY_S and process
         monkeypatch.setattr(stats, "SHIP_EVERY_S", 60.0)
         for side in (eng.worker, eng.sched):
