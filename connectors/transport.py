@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import msgspec
@@ -20,48 +19,13 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .errors import DaemonTimeout, DaemonUnavailable, ProtocolError, RequestDropped
-from .wire import OP_FRAMES, OP_PLACES
-
-_uid_decoder = msgspec.msgpack.Decoder(int)
+from .fences import Fence, RetiredSockets, fence_for, uid_decoder
+from .wire import OP_FRAMES
 
 #: How often a call waiting for its reply checks whether the daemon disconnected.
 _SLICE_MS = 5
 #: How often the sentinel tries to reach a daemon that went away.
 _WATCH_MS = 20
-
-#: A fence unanswered this long is sent again (doubling up to the max): a peer that
-#: swallowed requests for a while (a wedged proxy) answers a later one.
-_REFENCE_MIN_S = 0.1
-_REFENCE_MAX_S = 2.0
-
-#: Retired sockets kept for their fences; beyond this the oldest is closed and its calls
-#: are no longer tracked (a daemon hung through this many timeouts).
-MAX_RETIRED = 64
-
-#: The fence sent behind an abandoned request, by the place the daemon serves it in.
-#: "affinity" has no request without a key: the caller passes that fence. "cpu" proves
-#: anything only on a daemon with one CPU worker (the daemon link refuses one with more).
-_PLACE_FENCES: dict[str, tuple[str, list[bytes]]] = {
-    "inline": ("noop", []),
-    "cpu": ("ping", [msgspec.msgpack.encode(None)]),
-}
-
-
-@dataclass
-class _Retired:
-    """A socket whose call timed out, kept until a fence answers or the daemon changes."""
-
-    sock: zmq.Socket
-    epoch: int
-    #: uid -> request id of the calls sent on it and never answered (fences included).
-    pending: dict[int, str | None]
-    request_id: str | None
-    fence: tuple[str, list[bytes]] | None
-    fences: set[int] = field(default_factory=set)
-    fenced_at: float = 0.0
-    late: dict[int, Callable[[bytes | None], None]] = field(default_factory=dict)  # on_late
-    refence_s: float = _REFENCE_MIN_S / 2
-
 
 class ZmqTransport:
     """Thread-safe RPC to one daemon endpoint with a hard deadline per call."""
@@ -84,13 +48,10 @@ class ZmqTransport:
         self._sockets: dict[int, zmq.Socket] = {}
         self._uids = itertools.count(1)
         self._closed = False
-        self.late_replies = 0
+        self._late_replies = 0
         self.sockets_replaced = 0
         self._in_flight: dict[int, str | None] = {}  # uid -> request id, awaiting a reply
-        self._retired: list[_Retired] = []
-        self._retired_lock = threading.Lock()
-        #: Retired sockets closed over MAX_RETIRED before their fence answered.
-        self.fences_dropped = 0
+        self._retired = RetiredSockets(self._uids, lambda: self._disconnected)
         # Restart detection (see module docstring).
         self._epoch = 0
         self._connected_once = False
@@ -140,7 +101,7 @@ class ZmqTransport:
 
     def _discard_socket(self, sock: zmq.Socket) -> None:
         """Drop this thread's socket: late replies are counted, queued requests die."""
-        self.late_replies += self._drain(sock)
+        self._late_replies += self._drain(sock)
         with self._lock:
             self._sockets.pop(threading.get_ident(), None)
             self.sockets_replaced += 1
@@ -148,79 +109,32 @@ class ZmqTransport:
         self._local.sock = None
 
     def _retire(self, sock: zmq.Socket, uid: int, request_id: str | None,
-                fence: tuple[str, list[bytes]] | None, epoch: int, on_late=None) -> None:
+                fence: Fence | None, epoch: int, on_late=None) -> None:
         """Keep this thread's timed-out socket, with a fence behind the abandoned call."""
         with self._lock:
             self._sockets.pop(threading.get_ident(), None)
             self.sockets_replaced += 1
         self._local.sock = None
-        r = _Retired(sock, epoch, {uid: request_id}, request_id, fence, late={uid: on_late})
-        with self._retired_lock:
-            self._send_fence(r, time.monotonic())
-            self._retired.append(r)
-            self._sweep_retired(epoch)
+        self._retired.retire(sock, uid, request_id, fence, epoch, on_late)
 
-    def _send_fence(self, r: _Retired, now: float) -> None:
-        """Send (again) r's fence; a peer that swallows requests may have lost the last.
-        Never while the daemon is down: r's socket may have reconnected to a new daemon."""
-        if r.fence is None or self._disconnected:
-            return
-        r.fenced_at, r.refence_s = now, min(r.refence_s * 2, _REFENCE_MAX_S)
-        uid = next(self._uids)
-        try:
-            r.sock.send_multipart([msgspec.msgpack.encode(uid), OP_FRAMES[r.fence[0]],
-                                   *r.fence[1]], zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError:
-            return  # no connection now: a later fence, or the next daemon, answers for it
-        r.pending[uid] = r.request_id
-        r.fences.add(uid)
+    @property
+    def late_replies(self) -> int:
+        """Replies that came after their call gave up (read and dropped, or handed to the
+        call's `on_late`)."""
+        return self._late_replies + self._retired.late_replies
 
-    def _sweep_retired(self, epoch: int) -> None:
-        """Read what retired sockets received, fence again where no fence answered for a
-        while, close those answered for. Holds _retired_lock."""
-        keep = []
-        now = time.monotonic()
-        for r in self._retired:
-            if r.epoch == epoch:
-                while r.pending:
-                    try:
-                        reply = r.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.ZMQError:
-                        break
-                    try:
-                        reply_uid = _uid_decoder.decode(reply[0].buffer)
-                    except (msgspec.DecodeError, IndexError):
-                        continue
-                    if reply_uid in r.fences:
-                        # Everything sent before it on this connection was served or dropped.
-                        r.pending = {u: rid for u, rid in r.pending.items() if u > reply_uid}
-                        r.fences = {u for u in r.fences if u > reply_uid}
-                    elif r.pending.pop(reply_uid, False) is not False:
-                        self.late_replies += 1
-                        if r.late.get(reply_uid):  # its caller takes the late answer
-                            r.late[reply_uid](bytes(reply[2].buffer) if len(reply) > 2 else None)
-                if r.pending:
-                    if now - r.fenced_at >= r.refence_s:
-                        self._send_fence(r, now)
-                    keep.append(r)
-                    continue
-            r.sock.close(linger=0)
-        while len(keep) > MAX_RETIRED:
-            keep.pop(0).sock.close(linger=0)
-            self.fences_dropped += 1
-        self._retired = keep
+    @property
+    def fences_dropped(self) -> int:
+        """Retired sockets closed over `fences.MAX_RETIRED` before their fence answered."""
+        return self._retired.fences_dropped
 
     def unanswered(self, request_id: str | None = None) -> int:
         """Calls for `request_id` (None: any) sent to the current daemon that it may still
         serve: never answered, and no later request of the same place answered on their
         connection. 0 once each is proven answered or dropped, or the daemon changed."""
-        epoch = self.epoch
-        with self._retired_lock:
-            self._sweep_retired(epoch)
-            return sum(1 for r in self._retired for rid in r.pending.values()
-                       if request_id is None or rid == request_id) + sum(
-                1 for rid in list(self._in_flight.values())
-                if request_id is None or rid == request_id)
+        return self._retired.unanswered(self.epoch, request_id) + sum(
+            1 for rid in list(self._in_flight.values())
+            if request_id is None or rid == request_id)
 
     @staticmethod
     def _drain(sock: zmq.Socket) -> int:
@@ -238,7 +152,7 @@ class ZmqTransport:
 
     def call(
         self, op: str, payloads: Sequence[bytes], timeout_s: float, *, probe: bool = False,
-        request_id: str | None = None, fence: tuple[str, list[bytes]] | None = None,
+        request_id: str | None = None, fence: Fence | None = None,
         on_late: Callable[[bytes | None], None] | None = None,
     ) -> memoryview | None:
         """Send `op` and wait at most `timeout_s` for its reply.
@@ -295,7 +209,7 @@ class ZmqTransport:
                     self._discard_socket(sock)
                     return result
                 if fence is None:
-                    fence = _PLACE_FENCES.get(OP_PLACES.get(op, ""))
+                    fence = fence_for(op)
                 # Retired before it leaves _in_flight: never uncounted in between.
                 self._retire(sock, uid, request_id, fence, self.epoch, on_late)
                 if lost:  # it may have been served: a timeout, not "never sent"
@@ -304,7 +218,7 @@ class ZmqTransport:
                 raise DaemonTimeout(op, timeout_s)
             reply = sock.recv_multipart(copy=False)
             try:
-                reply_uid = _uid_decoder.decode(reply[0].buffer)
+                reply_uid = uid_decoder.decode(reply[0].buffer)
             except (msgspec.DecodeError, IndexError):
                 raise ProtocolError(f"{op}: reply with an undecodable request id") from None
             if probe_uid is not None and reply_uid == probe_uid:
@@ -314,7 +228,7 @@ class ZmqTransport:
                 raise RequestDropped(f"{op}: the daemon answered a later noop but not {op}")
             if reply_uid != uid or answered:
                 # A reply to a call that already gave up (or a duplicate): never hand it on.
-                self.late_replies += 1
+                self._late_replies += 1
                 continue
             if len(reply) < 2 or reply[1].bytes != op_frame:
                 raise ProtocolError(f"{op}: reply echoes another operation")
@@ -390,10 +304,7 @@ class ZmqTransport:
             for sock in self._sockets.values():
                 sock.close(linger=0)
             self._sockets.clear()
-            with self._retired_lock:
-                for r in self._retired:
-                    r.sock.close(linger=0)
-                self._retired.clear()
+            self._retired.close()
             self._sentinel.disable_monitor()
             self._monitor.close(linger=0)
             self._sentinel.close(linger=0)
