@@ -15,7 +15,8 @@ from . import wire
 from .base import Prepared, Retrieved
 from .errors import DaemonRejected, DaemonUnavailable, ProtocolError, ShortRead, SlotsError
 from .gpu_transfer import on_cuda
-from .kv_layout import KVPool, check_slots, scatter_skipping
+from .kv_copy import scatter_skipping
+from .kv_layout import KVPool, check_slots
 from .retrieval import CommitBehind, Retrieval
 from .safe_decode import load_tensor_list
 

@@ -11,7 +11,8 @@ import torch
 from . import wire
 from .errors import DaemonTimeout, ProtocolError
 from .gpu_transfer import on_cuda
-from .kv_layout import KVPool, check_slots, gather_chunks
+from .kv_copy import gather_chunks
+from .kv_layout import KVPool, check_slots
 from .safe_decode import dump_tensor_list
 from .store import Store
 
@@ -62,10 +63,7 @@ class StoreCalls:
             ctx = prep.context if prep is not None else wire.ShmContext()
             if not ctx.slots:
                 return True  # every chunk is cached already
-            if len(ctx.slots) != len(ctx.chunk_indices):
-                raise ProtocolError("prepare_store: slots and chunk_indices differ in length")
-            shm = self._mapping(epoch)
-            views = [shm.view(s, self.layout) for s in ctx.slots]
+            views = self._reserved(ctx, epoch)
             if on_cuda(pool):
                 self._gpu_for(pool).store(self.layout, pool, slots, list(ctx.chunk_indices),
                                           out=views)
@@ -79,6 +77,14 @@ class StoreCalls:
         return bool(self._call("commit_store", [key, self.instance_id, data], left(),
                                request_id=request_id))
 
+    def _reserved(self, ctx: wire.ShmContext, epoch: int) -> list[torch.Tensor]:
+        """Views of the shared-memory slots a prepare_store (of daemon `epoch`) reserved, in
+        the order of its chunk indices."""
+        if len(ctx.slots) != len(ctx.chunk_indices):
+            raise ProtocolError("prepare_store: slots and chunk_indices differ in length")
+        shm = self._mapping(epoch)
+        return [shm.view(s, self.layout) for s in ctx.slots]
+
     def _host_chunks(self, pool: KVPool, slots: torch.Tensor, end: int) -> list[torch.Tensor]:
         """Host copies of the chunks of tokens [0, end) in `slots`."""
         if on_cuda(pool):  # our own host copies: the pinned staging went back to the ring
@@ -89,11 +95,8 @@ class StoreCalls:
     def _finish_late(self, late: Store, ctx: wire.ShmContext, timeout_s: float) -> None:
         """Write what `late` kept into the slots its late prepare_store reserved, then commit
         them: the reservation ends with the bytes it was made for."""
-        if len(ctx.slots) != len(ctx.chunk_indices):
-            raise ProtocolError("prepare_store: slots and chunk_indices differ in length")
-        shm = self._mapping(late.epoch)
-        for slot, i in zip(ctx.slots, ctx.chunk_indices):
-            shm.view(slot, self.layout).copy_(late.kept[i])
+        for view, i in zip(self._reserved(ctx, late.epoch), ctx.chunk_indices):
+            view.copy_(late.kept[i])
         # Answered, it is settled: False only says the reservation was gone (its TTL).
         self._call("commit_store", [late.key, self.instance_id, b""], timeout_s,
                    request_id=late.key.request_id)

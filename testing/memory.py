@@ -14,7 +14,8 @@ import torch
 
 from lmcache_loadback.connectors.base import Retrieved
 from lmcache_loadback.connectors.errors import DaemonRejected, DaemonTimeout
-from lmcache_loadback.connectors.kv_layout import KVLayout, gather_chunks, scatter_skipping
+from lmcache_loadback.connectors.kv_copy import gather_chunks, scatter_skipping
+from lmcache_loadback.connectors.kv_layout import KVLayout
 from lmcache_loadback.connectors.retrieval import Retrieval
 
 

@@ -22,7 +22,8 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 import torch  # noqa: E402
 
 from lmcache_loadback.testing.daemon import DaemonProcess  # noqa: E402
-from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool, gather_chunks, scatter_chunks  # noqa: E402
+from lmcache_loadback.connectors.kv_copy import gather_chunks, scatter_chunks  # noqa: E402
+from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool  # noqa: E402
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector  # noqa: E402
 
 from .common import fmt, median, print_table, shut_down, write_json  # noqa: E402

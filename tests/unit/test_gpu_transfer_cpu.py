@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lmcache_loadback.connectors.gpu_transfer import GpuTransfer, GpuTransferError, _cuda_call, _pieces
-from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool, gather_chunks, scatter_skipping
+from lmcache_loadback.connectors.kv_copy import gather_chunks, scatter_skipping
+from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
 from lmcache_loadback.connectors.shm_pool import ShmPool
 from lmcache_loadback.connectors import wire
 from tests.stepping import Stepped

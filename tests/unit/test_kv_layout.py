@@ -6,14 +6,8 @@ import pytest
 import torch
 
 from lmcache_loadback.connectors.errors import ProtocolError, SlotsError
-from lmcache_loadback.connectors.kv_layout import (
-    KVLayout,
-    KVPool,
-    check_pool,
-    check_slots,
-    gather_chunks,
-    scatter_chunks,
-)
+from lmcache_loadback.connectors.kv_copy import gather_chunks, scatter_chunks
+from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool, check_pool, check_slots
 from lmcache_loadback.engines.sglang.pools import latent_layout, mha_layout
 
 HEADS, HEAD_DIM, POOL = 2, 32, 4096
@@ -133,7 +127,7 @@ def test_token_major_views_round_trip():
 @pytest.mark.parametrize("contiguous", [False, True])
 def test_every_path_is_exact(monkeypatch, op_bytes, contiguous):
     """Per-chunk ops, grouped scratch and one whole-range group must all give the same bytes."""
-    import lmcache_loadback.connectors.kv_layout as kvl
+    import lmcache_loadback.connectors.kv_copy as kvl
 
     monkeypatch.setattr(kvl, "_OP_BYTES", op_bytes)
     layout = KVLayout(3, HEADS, HEAD_DIM, torch.bfloat16, 16)
@@ -371,7 +365,7 @@ def test_mla_round_trip_between_latent_pools(chunk_size, contiguous):
 @pytest.mark.parametrize("op_bytes", [1, 64 << 10, 1 << 30])
 def test_mla_every_path_is_exact(monkeypatch, op_bytes):
     """Per-chunk, grouped scratch, token-major views and shared out buffers, for MLA."""
-    import lmcache_loadback.connectors.kv_layout as kvl
+    import lmcache_loadback.connectors.kv_copy as kvl
 
     monkeypatch.setattr(kvl, "_OP_BYTES", op_bytes)
     layout = mla_layout(2, 16)
@@ -390,7 +384,7 @@ def test_mla_every_path_is_exact(monkeypatch, op_bytes):
 
 
 def test_mla_scatter_skipping_and_refusals():
-    from lmcache_loadback.connectors.kv_layout import scatter_skipping
+    from lmcache_loadback.connectors.kv_copy import scatter_skipping
 
     layout = mla_layout(2, 16)
     a, b = latent_pool(layout, seed=1), latent_pool(layout, seed=2)

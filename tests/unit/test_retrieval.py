@@ -216,7 +216,7 @@ SOURCE = make_pool(LAYOUT, 256)
 
 def _chunks_reply(key) -> wire.PrepareRetrieveReply:
     """The chunks of tokens [start, end), from SOURCE's slots 0..."""
-    from lmcache_loadback.connectors.kv_layout import gather_chunks
+    from lmcache_loadback.connectors.kv_copy import gather_chunks
 
     s, e = key
     chunks = gather_chunks(LAYOUT, SOURCE.k_buffer, SOURCE.v_buffer, torch.arange(s, e))

@@ -18,7 +18,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from lmcache_loadback.connectors.errors import UnsupportedKVPool
-from lmcache_loadback.connectors.kv_layout import KVLayout, scatter_chunks
+from lmcache_loadback.connectors.kv_copy import scatter_chunks
+from lmcache_loadback.connectors.kv_layout import KVLayout
 from lmcache_loadback.engines.vllm import paged_cuda
 from lmcache_loadback.engines.vllm.meta import LoadBackMeta, LoadOp, StoreOp
 from lmcache_loadback.engines.vllm.paged_cuda import PagedCUDAView
