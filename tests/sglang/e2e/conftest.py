@@ -62,14 +62,18 @@ def make_stack(tmp_path_factory):
     the LMCache port (the test starts daemon and proxy later through `bring_up`).
     `daemon_chunk`: the daemon's --chunk-size (the YAML says CHUNK); `overrides`: appended to
     our YAML; `metrics`: SGLang's own /metrics (--enable-metrics, multiprocess mode) carries the
-    loadback_* series; `extra_args`: more server flags."""
+    loadback_* series; `extra_args`: more server flags; `l2_adapter`: the daemon's
+    --l2-adapter JSON (a store shared with other stacks' daemons); `start=False` leaves the
+    server to the caller (`stack.server.start()`, e.g. several side by side)."""
     made: list[Stack] = []
 
     def make(kind: str, *, daemon_up: bool = True, deadline_s: float = 30.0,
              tp: int = 1, daemon_chunk: int = CHUNK, overrides: str = "",
-             metrics: bool = False, extra_args: tuple[str, ...] = ()) -> Stack:
+             metrics: bool = False, extra_args: tuple[str, ...] = (),
+             l2_adapter: dict | None = None, start: bool = True) -> Stack:
         run_dir = tmp_path_factory.mktemp(f"e2e-{kind}-tp{tp}")
-        daemon = DaemonProcess(chunk_size=daemon_chunk, http=True, log_dir=str(run_dir))
+        daemon = DaemonProcess(chunk_size=daemon_chunk, http=True, log_dir=str(run_dir),
+                               l2_adapter=l2_adapter)
         port = free_port()
         if kind == "loadback":
             cfg = write_loadback_yaml(run_dir / "loadback.yaml", port, chunk_size=CHUNK,
@@ -102,7 +106,8 @@ def make_stack(tmp_path_factory):
         made.append(stack)
         if daemon_up:
             bring_up(stack)
-        server.start()
+        if start:
+            server.start()
         return stack
 
     yield make
