@@ -95,7 +95,13 @@ def object_keys(model_name: str, token_ids: list[int], cache_salt: str, chunk_si
                 hash_algorithm: str, world_size: int = 1) -> list[dict]:
     """The daemon's keys of `token_ids` (one per chunk and rank), in the admin API's JSON
     form, made by lmcache's own resolver (imported here: seconds, once, off the request path)."""
-    from lmcache.v1.multiprocess.cache_control.key_resolver import resolve_object_keys
+    try:
+        from lmcache.v1.multiprocess.cache_control.key_resolver import resolve_object_keys
+    except ImportError:
+        raise _Verdict("unchecked", "the canary computes the daemon's keys with lmcache's own "
+                       "resolver, and lmcache is not importable in this environment: install "
+                       "it without its dependencies (`pip install --no-deps lmcache==0.5.6`), "
+                       "or turn the canary off (l2.canary_interval_ms: 0)", once=True) from None
 
     keys, _ = resolve_object_keys(_hasher(chunk_size, hash_algorithm), model_name, world_size,
                                   token_ids, cache_salt)
@@ -117,9 +123,10 @@ def _hasher(chunk_size: int, hash_algorithm: str):
 class _Verdict(Exception):
     """Ends a check with its result and the line that says why."""
 
-    def __init__(self, result: str, why: str) -> None:
+    def __init__(self, result: str, why: str, *, once: bool = False) -> None:
         super().__init__(why)
         self.result = result
+        self.once = once  # a lasting cause: said once at WARNING, not at DEBUG each check
 
 
 class L2Canary:
@@ -142,6 +149,7 @@ class L2Canary:
         self._leftovers: list[dict] = []
         self.checks = 0  # checks made (tests wait on it)
         self._failing: str | None = None  # the result of the run of failures now, if any
+        self._said: set[str] = set()  # lasting causes already logged
         self._lost_hint = _LOST_HINTS["other"]
         self.last: tuple[str, str] | None = None  # (result, why) of the last check
         self._stop = threading.Event()
@@ -197,6 +205,9 @@ class L2Canary:
             result, why = self._check(cfg), ""
         except _Verdict as v:
             result, why = v.result, str(v)
+            if v.once and why not in self._said:
+                self._said.add(why)
+                self.log.warning("L2 canary: no check can be made: %s", why)
         except Exception as exc:  # noqa: BLE001 - the thread outlives any bug in one check
             self.log.exception("L2 canary check failed")
             result, why = "unchecked", f"the check raised {exc!r}"
