@@ -188,8 +188,17 @@ class L2Canary:
     def _release(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
+            control_s = self.config().deadlines.control_ms / 1000
+            end = self.clock() + control_s
+            while self._owed is not None:  # a timed-out LOOKUP's locks, within the budget
+                try:
+                    self._settle_owed(conn, lambda: max(MIN_CALL_S, end - self.clock()))
+                except _Verdict:  # its prefetch still runs
+                    if self.clock() >= end:
+                        break  # the daemon's read TTL ends it
+                    time.sleep(POLL_S)
             try:
-                conn.unregister(self.config().deadlines.control_ms / 1000)
+                conn.unregister(control_s)
             except ConnectorError:
                 pass  # the daemon's reaper ends it
             conn.close()

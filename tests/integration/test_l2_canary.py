@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry
 
 from lmcache_loadback.orchestrator import LoadBackConfig
 from lmcache_loadback.orchestrator.instruments import product_metrics
-from lmcache_loadback.orchestrator.l2_canary import MARKER_CHUNKS, L2Canary
+from lmcache_loadback.connectors.errors import DaemonTimeout
+from lmcache_loadback.orchestrator.l2_canary import CANARY_SALT, MARKER_CHUNKS, L2Canary, marker
 from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.testing.redis import RedisServer, RedisUnavailable, find_redis
 
@@ -97,6 +98,30 @@ def test_canary_counts_a_hung_l2_as_timeout_within_its_deadline(resp_fleet):
         _idle(d)
     finally:
         canary.close(5)
+
+
+def test_canary_closed_after_a_lookup_timed_out_releases_what_it_holds(resp_fleet):
+    """A check's LOOKUP that timed out on a hung store is owed a release; a canary closed
+    before its next check still pays it (within deadlines.control_ms) once the store answers,
+    instead of leaving the prefetch job and its locks to the daemon's TTL."""
+    redis, d = resp_fleet
+    canary, _ = _canary(d)
+    canary.config = lambda: LoadBackConfig.from_dict({
+        "mp_port": d.port, "mp_http_port": d.http_port, "chunk_size": d.chunk_size,
+        "deadlines": {"control_ms": 3000}})
+    assert canary.check() == "ok", canary.last  # its connector is registered
+    conn = canary._conn
+    toks, _ = marker(d.chunk_size, MARKER_CHUNKS)
+    redis.pause()
+    try:  # what a check's LOOKUP of its marker does when the store hangs (_load_back)
+        with pytest.raises(DaemonTimeout):
+            conn.lookup_hit_tokens(toks, "canary-owed", 0.3, cache_salt=CANARY_SALT)
+        canary._owed = (toks, "canary-owed", conn.epoch)
+        assert d.client_holds().get("prefetch_jobs") == 1
+    finally:
+        redis.resume()
+    canary.close(5)
+    assert d.client_holds() == {}, d.held()
 
 
 def test_canary_finds_stores_lost_after_the_l2_server_restarts(resp_fleet, caplog):
