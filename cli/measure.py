@@ -97,14 +97,16 @@ def add_chaos(sub) -> None:
         description=textwrap.fill(
             "Run the shipped chaos scenarios (configs/chaos/) against a real daemon, each "
             "breaking it in its own way, and check the invariants: bounded time, no leaks, "
-            "byte-exact loads, counters that reconcile, recovery. Exits 1 if one broke.", 88)
+            "byte-exact loads, counters that reconcile, recovery. The l2_* scenarios break "
+            "the daemon's L2 store instead (a real redis-server; --scenario l2 runs them "
+            "all). Exits 1 if one broke.", 88)
         + "\n\n" + textwrap.fill("scenarios: " + listed, 88, subsequent_indent="  "),
         epilog="example: loadback chaos run --scenario kill --engines 4 "
         "--requests 100\n  4 engines share one daemon; in each of 100 rounds "
         "all 4 issue a request at once")
     cr.add_argument("--scenario", default="all", metavar="NAME",
-                    choices=["all", *names] if names else None,
-                    help=f"one scenario, or all (default): {listed}")
+                    choices=["all", "l2", *names] if names else None,
+                    help=f"one scenario, l2 (every l2_* one), or all (default): {listed}")
     cr.add_argument("--requests", type=count(0), default=0, metavar="N",
                     help="requests per scenario (0 = its own); with --engines, rounds: each "
                     "engine makes this many")

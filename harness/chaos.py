@@ -3,7 +3,8 @@
 A scenario (harness/chaos_scenario.py) names a fault and when it acts; N engines (`--engines`)
 share the one daemon, one request each per round, each engine in its own process as in
 production (harness/chaos_engines.py); after a bounded run every invariant is judged
-(harness/chaos_judge.py).
+(harness/chaos_judge.py). Scenarios with an L2 store break that store instead of the daemon
+(harness/chaos_l2.py).
 """
 
 from __future__ import annotations
@@ -12,17 +13,20 @@ import json
 import random
 import threading
 import time
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from threading import BrokenBarrierError
 from pathlib import Path
 
-from lmcache_loadback.testing.daemon import DaemonProcess, free_port
+from lmcache_loadback.connectors.ports import free_port
+from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
 
 from .bench.common import progress_bar
 from .chaos_engines import (DEADLINE_SLACK_S, EXCUSE_CAP_S, Lane, ProcessCrew, RequestHook,
                             ThreadCrew, make_lane)
 from .chaos_judge import ErrorLog, Played, Result, judge
+from .chaos_l2 import L2Rig, Peer, Supervisor, l2_verdict
 from .chaos_scenario import LAYOUT, SCENARIO_DIR, Fault, Scenario, base_config, load_scenarios
 
 __all__ = ["DEADLINE_SLACK_S", "EXCUSE_CAP_S", "LAYOUT", "MAX_ENGINES", "ROUND_TIMEOUT_S",
@@ -39,19 +43,35 @@ MAX_ENGINES = 32
 @dataclass
 class _Rig:
     """What a run holds until it ends, closed whatever happened: the daemon, the fault proxy
-    (wire faults), the engines."""
+    (wire faults), the engines, the L2 store and the daemon's supervisor (L2 scenarios)."""
 
     daemon: DaemonProcess
     proxy: FaultProxy | None = None
     crew: ThreadCrew | ProcessCrew | None = None
+    l2: L2Rig | None = None
+    peer: Peer | None = None
+    supervisors: list[Supervisor] = field(default_factory=list)
+
+    def restart_daemons(self) -> None:
+        """Every daemon on the store, side by side (an operator's restart of the fleet)."""
+        daemons = [self.daemon] + ([self.peer.daemon] if self.peer else [])
+        with ThreadPoolExecutor(len(daemons)) as ex:
+            for f in [ex.submit(d.restart) for d in daemons]:
+                f.result()
 
     def close(self) -> None:
         if self.crew is not None:
             self.crew.close()
         if self.proxy is not None:
             self.proxy.close()
+        for supervisor in self.supervisors:
+            supervisor.close()
+        if self.peer is not None:
+            self.peer.close()
         self.daemon.resume()
         self.daemon.stop()
+        if self.l2 is not None:
+            self.l2.stop()
 
 
 def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=None,
@@ -74,42 +94,72 @@ def run_scenario(scn: Scenario, requests: int = 0, *, metrics=None, progress=Non
                              shm_name=f"lbchaos{free_port()}" if scn.transfer == "shm" else None))
     errors = ErrorLog().__enter__()
     try:
+        admin_port = _start_l2(scn, rig, engines)
         endpoint = _start_daemon(scn, rig)
         port = int(endpoint.rsplit(":", 1)[1])
-        wait = scn.fault.kind != "absent_at_start" and not scn.fault.from_start
+        wait = not scn.fault.registers_late
         if engines == 1:
             # The fault proxy is then a thread of this process standing for the network and
             # the daemon: its CPU (holding the interpreter lock) is not the caller's.
             lane = make_lane(scn, endpoint, port, 0, 1, metrics=metrics,
-                             foreign=tuple(rig.proxy.thread_ids) if rig.proxy else ())
+                             foreign=tuple(rig.proxy.thread_ids) if rig.proxy else (),
+                             admin_port=admin_port)
             rig.crew = ThreadCrew(lane, request_hook)
             if wait and not lane.orch.wait_registered(30):
                 raise RuntimeError(f"{scn.name}: orchestrator e0 never registered")
         else:
             rig.crew = ProcessCrew(scn, endpoint, port, engines, wait_registered=wait,
-                                   hook=request_hook)
+                                   hook=request_hook, admin_port=admin_port)
         played = _play(scn, rig, n_rounds, progress)
         if rig.proxy is not None:
             rig.proxy.clear()
+        for supervisor in rig.supervisors:  # its holds are read once it serves
+            supervisor.wait(150)
         reports, daemon_leaks = rig.crew.reports(rig.daemon, settle_s=15.0)
-        return judge(scn, reports, daemon_leaks, rig.proxy, played, errors)
+        result = judge(scn, reports, daemon_leaks, rig.proxy, played, errors)
+        if rig.l2 is not None:
+            result.l2 = l2_verdict(scn, played, reports, rig.daemon.starts, rig.peer.stored)
+        return result
     finally:
         errors.__exit__()
         rig.close()
 
 
+def _start_l2(scn: Scenario, rig: _Rig, engines: int) -> int:
+    """An L2 scenario's store (unless absent at start) and the peer node on it (its daemon
+    started beside the engines'); returns the engines' daemon's admin API port for the L2
+    canary (0: no L2)."""
+    if scn.l2 is None:
+        return 0
+    rig.l2 = L2Rig(scn.l2)
+    if scn.fault.kind != "l2_absent_at_start":
+        rig.l2.start()
+    rig.daemon.l2_adapter = rig.l2.adapter()
+    rig.daemon.http_port = free_port()  # known before a supervised start
+    rig.peer = Peer(LAYOUT, scn.seed, engines, rig.l2.adapter(), scn.l2.peer_lead_rounds)
+    return rig.daemon.http_port
+
+
 def _start_daemon(scn: Scenario, rig: _Rig) -> str:
-    """Start the daemon (unless it is absent at start) and, for wire faults, the proxy in
-    front of it; returns the endpoint the engines talk to."""
+    """Start the daemon (unless it is absent at start; under a supervisor where its L2
+    adapter refuses to start without its store), the L2 peer's beside it, and, for wire
+    faults, the proxy in front of it; returns the endpoint the engines talk to."""
     fault = scn.fault
-    if fault.kind != "absent_at_start":
-        rig.daemon.start()
+    daemons = [rig.daemon] + ([rig.peer.daemon] if rig.peer else [])
+    if fault.kind == "l2_absent_at_start" and scn.l2.adapter == "valkey":
+        rig.supervisors = [Supervisor(d) for d in daemons]
+    elif fault.kind != "absent_at_start":
+        with ThreadPoolExecutor(len(daemons)) as ex:  # seconds each: side by side
+            for f in [ex.submit(d.start) for d in daemons]:
+                f.result()
+    if rig.peer is not None:
+        rig.peer.start_writer()
     endpoint = rig.daemon.endpoint
     if fault.kind == "wire":
         rig.proxy = FaultProxy(rig.daemon.endpoint, layout=LAYOUT, seed=scn.seed).start()
         endpoint = rig.proxy.endpoint
         if fault.from_start:
-            _begin_fault(fault, rig.daemon, rig.proxy)
+            _begin_fault(fault, rig)
     return endpoint
 
 
@@ -121,6 +171,9 @@ def _play(scn: Scenario, rig: _Rig, n_rounds: int, progress) -> Played:
     flicker = _Flicker(rig.daemon, fault, scn.seed) if fault.kind == "flicker" else None
     crew.start(scn.max_seconds + 2 * ROUND_TIMEOUT_S + 300)  # the engines' wait: a backstop
     begin, stop_at = int(fault.start * n_rounds), int(fault.end * n_rounds)
+    restart_at = (None if fault.daemon_restart_at is None
+                  else int(fault.daemon_restart_at * n_rounds))
+    played.fault_rounds = (begin, stop_at, restart_at)
     deadline = time.monotonic() + scn.max_seconds
     due = time.monotonic()
     try:
@@ -132,19 +185,25 @@ def _play(scn: Scenario, rig: _Rig, n_rounds: int, progress) -> Played:
             if wait > 0:
                 time.sleep(wait)
             due = time.monotonic() + scn.request_interval_ms / 1000
-            if fault.kind not in ("none", "absent_at_start") and i == begin and not fault.from_start:
-                _begin_fault(fault, rig.daemon, rig.proxy)
+            if fault.kind != "none" and not fault.registers_late and i == begin:
+                _begin_fault(fault, rig)
             if flicker is not None and begin <= i < stop_at:
                 flicker.maybe()
             if fault.kind != "none" and i == stop_at:
                 if flicker is not None:
                     flicker.join()
-                _end_fault(fault, rig.daemon, rig.proxy)
+                _end_fault(fault, rig)
                 played.t_fault_end = time.monotonic()
                 crew.set_phase("recovery")
+            if i == restart_at:
+                rig.restart_daemons()  # the operator's remedy
+            if rig.peer is not None:
+                rig.peer.ahead(i)
             if not _round(crew, played):
                 break
             crew.sample(played)
+            if rig.l2 is not None:
+                played.l2.add(time.monotonic(), sum(crew.loads()), rig.l2.reads())
             if progress:
                 progress(scn.name, i + 1, n_rounds)
     finally:
@@ -204,25 +263,29 @@ def _round(crew, played: Played) -> bool:
         return False
 
 
-def _begin_fault(fault: Fault, daemon: DaemonProcess, proxy: FaultProxy | None) -> None:
-    if fault.kind == "kill":
-        daemon.kill()
+def _begin_fault(fault: Fault, rig: _Rig) -> None:
+    if fault.on_l2:
+        rig.l2.begin(fault.kind, fault.maxmemory)
+    elif fault.kind == "kill":
+        rig.daemon.kill()
     elif fault.kind == "hang":
-        daemon.pause()
+        rig.daemon.pause()
     elif fault.kind == "restart":
-        daemon.restart()
+        rig.daemon.restart()
     elif fault.kind == "wire":
         for rule in fault.rules:
-            proxy.add_rule(FaultRule(**rule))
+            rig.proxy.add_rule(FaultRule(**rule))
 
 
-def _end_fault(fault: Fault, daemon: DaemonProcess, proxy: FaultProxy | None) -> None:
-    if fault.kind in ("kill", "absent_at_start"):
-        daemon.start()
+def _end_fault(fault: Fault, rig: _Rig) -> None:
+    if fault.on_l2:
+        rig.l2.end(fault.kind)
+    elif fault.kind in ("kill", "absent_at_start"):
+        rig.daemon.start()
     elif fault.kind == "hang":
-        daemon.resume()
+        rig.daemon.resume()
     elif fault.kind == "wire":
-        proxy.clear()
+        rig.proxy.clear()
 
 
 class Progress:
@@ -262,6 +325,17 @@ def print_results(results: list[Result]) -> None:
                  "excused ms (sum/worst)", "wrong",
                  "counters ok", "p99 ms", "recovery s", "loaded", "max queued",
                  "degraded by reason"], rows)
+    l2 = [r for r in results if r.l2 is not None]
+    if l2:
+        print()
+        print_table(["L2 scenario", "adapter", "store reads by phase", "L2 hit again s",
+                     "peer stores ok/failed", "daemon starts", "L2 metrics (engines)"], [
+            [r.name, r.l2.adapter, ", ".join(f"{k} {v}" for k, v in r.l2.reads.items()),
+             ("NEVER" if r.l2.needs_recovery else "-") if r.l2.recovery_s is None
+             else f"{r.l2.recovery_s:.2f}",
+             "/".join(map(str, r.l2.peer_stores)), r.l2.daemon_starts,
+             ", ".join(f"{k} {v}" for k, v in sorted(r.l2.signals.items())) or "-"]
+            for r in l2])
     for r in results:
         for m in r.counter_mismatches:
             print(f"  {r.name}: counter mismatch: {m}")
@@ -288,6 +362,8 @@ def print_results(results: list[Result]) -> None:
                   f"there): {', '.join(r.extra['hung_engines'])}")
         for e in r.missing_errors:
             print(f"  {r.name}: the orchestrator never logged {e} (logged: {r.errors_logged or 'none'})")
+        if r.l2 is not None and r.l2.needs_recovery and r.l2.recovery_s is None:
+            print(f"  {r.name}: no engine hit served by the L2 store after the fault ended")
 
 
 def run(args) -> int:

@@ -28,6 +28,7 @@ from lmcache_loadback.connectors.kv_layout import KVPool
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from lmcache_loadback.orchestrator.core import LoadBackOrchestrator
 from lmcache_loadback.orchestrator.instruments import product_metrics
+from lmcache_loadback.orchestrator.l2_canary import start_l2_canary
 from lmcache_loadback.testing.os_delay import OsDelay
 
 from .chaos_judge import (EngineReport, ErrorLog, Played, count_leaks, dead_threads, report_of,
@@ -81,20 +82,33 @@ def _fresh_metrics(n_engines: int):
 
 
 def make_lane(scn: Scenario, endpoint: str, cfg_port: int, index: int, engines: int, *,
-              metrics=None, foreign: tuple[int, ...] = ()) -> Lane:
+              metrics=None, foreign: tuple[int, ...] = (), admin_port: int = 0) -> Lane:
     """Engine `index` of `engines`: requests named `e{i}-req-{n}` when there are several.
     `foreign`: threads of this process standing for another (the fault proxy). The engine's
     process copies on the calling thread: with torch's intra-op pool the call waited for
     pool threads queued for a CPU (a soak load_back: 163 ms blocked, 1 ms of its own CPU),
-    time the judge cannot tell from a wait on the daemon."""
+    time the judge cannot tell from a wait on the daemon. In an L2 scenario the first engine
+    runs the L2 canary against the daemon's admin API (`admin_port`), as production's
+    factory starts it."""
     torch.set_num_threads(1)
-    cfg = base_config(cfg_port, {"transfer": scn.transfer, **scn.config})
+    overrides = {"transfer": scn.transfer, **scn.config}
+    canary = bool(scn.l2 and scn.l2.canary_interval_ms > 0 and admin_port and index == 0)
+    if canary:
+        overrides["mp_http_port"] = admin_port
+        overrides["l2"] = {"canary_interval_ms": scn.l2.canary_interval_ms,
+                           **overrides.get("l2", {})}
+    cfg = base_config(cfg_port, overrides)
     pool = KVPool([torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)],
                   [torch.zeros(8192, 4, 16, dtype=torch.float16) for _ in range(2)])
     conn = LMCacheMPConnector(endpoint, LAYOUT, transfer=scn.transfer,
                               connect_timeout_s=cfg.deadlines.connect_ms / 1000)
     orch = LoadBackOrchestrator(cfg, conn, kv_pool=pool,
                                 metrics=metrics or _fresh_metrics(engines))
+    if canary:
+        # Its first check imports lmcache's key resolver (0.2 s holding the interpreter
+        # lock): here, before the rounds, as an engine's start-up would.
+        import lmcache.v1.multiprocess.cache_control.key_resolver  # noqa: F401
+        start_l2_canary(orch)
     slots = SlotAllocator(8192)
     name = f"e{index}" if engines > 1 else ""
     return Lane(index, name or "e0", conn, orch, slots, Workload(LAYOUT, scn.seed, stream=index),
@@ -163,6 +177,10 @@ class ThreadCrew:
     def rounds_done(self) -> list[int]:
         return [lane.rounds_done for lane in self.lanes]
 
+    def loads(self) -> list[int]:
+        """Each engine's loads so far."""
+        return [lane.engine.tally.loaded for lane in self.lanes]
+
     def stuck(self, rounds: int) -> list[str]:
         """Engines inside round `rounds` still, alive and not failed."""
         return [lane.name for lane in self.lanes if lane.rounds_done < rounds and not lane.error
@@ -208,13 +226,15 @@ class ProcessCrew:
     holds and says close."""
 
     def __init__(self, scn: Scenario, endpoint: str, cfg_port: int, engines: int, *,
-                 wait_registered: bool, hook: RequestHook | None = None) -> None:
+                 wait_registered: bool, hook: RequestHook | None = None,
+                 admin_port: int = 0) -> None:
         ctx = mp.get_context("spawn")
         self.n = engines
         self.barrier = ctx.Barrier(engines + 1)
         self._stop = ctx.Event()
         self._phase = ctx.Value("i", 0)  # 1: recovery
         self._rounds = ctx.Array("i", engines)
+        self._loads = ctx.Array("i", engines)
         self._failed = ctx.Array("i", engines)
         self.names = [f"e{i}" for i in range(engines)]
         self._pipes, self.procs = [], []
@@ -222,7 +242,8 @@ class ProcessCrew:
             here, there = ctx.Pipe()
             proc = ctx.Process(target=engine_main, name=f"chaos-engine-{i}", daemon=True, args=(
                 scn, endpoint, cfg_port, i, engines, wait_registered, there, self.barrier,
-                self._stop, self._phase, self._rounds, self._failed, hook))
+                self._stop, self._phase, self._rounds, self._failed, hook, admin_port,
+                self._loads))
             proc.start()
             there.close()
             self._pipes.append(here)
@@ -249,6 +270,10 @@ class ProcessCrew:
 
     def rounds_done(self) -> list[int]:
         return list(self._rounds)
+
+    def loads(self) -> list[int]:
+        """Each engine's loads so far, as of its last round."""
+        return list(self._loads)
 
     def stuck(self, rounds: int) -> list[str]:
         return [self.names[i] for i in range(self.n) if self._rounds[i] < rounds
@@ -293,12 +318,12 @@ class ProcessCrew:
 
 def engine_main(scn: Scenario, endpoint: str, cfg_port: int, index: int, engines: int,
                 wait_registered: bool, pipe, barrier, stop, phase, rounds, failed,
-                hook: RequestHook | None) -> None:
+                hook: RequestHook | None, admin_port: int, loads) -> None:
     """An engine process: build, register, run the rounds, settle, report, close."""
     errors = ErrorLog().__enter__()
     lane = None
     try:
-        lane = make_lane(scn, endpoint, cfg_port, index, engines)
+        lane = make_lane(scn, endpoint, cfg_port, index, engines, admin_port=admin_port)
         if wait_registered and not lane.orch.wait_registered(30):
             pipe.send(f"{scn.name}: orchestrator e{index} never registered")
             return
@@ -306,6 +331,7 @@ def engine_main(scn: Scenario, endpoint: str, cfg_port: int, index: int, engines
         wait_s = pipe.recv()
 
         def counted() -> None:
+            loads[index] = lane.engine.tally.loaded
             rounds[index] = lane.rounds_done
 
         def died() -> None:

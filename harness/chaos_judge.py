@@ -15,6 +15,7 @@ from lmcache_loadback.testing.daemon import CLIENT_HOLDS, DaemonProcess
 from lmcache_loadback.testing.fault_proxy import FaultProxy
 
 from .bench.common import percentile
+from .chaos_l2 import L2Verdict, RoundSamples
 from .chaos_scenario import Scenario
 from .workload import Engine, Tally
 
@@ -27,7 +28,8 @@ class Result:
     a round; leaked: slots, live prefixes, debts still owed, unanswered calls, and every hold
     the daemon reports (read and write locks, sessions, prefetch jobs); wrong bytes: loaded
     KV differing from a recompute; counters: metrics equal to the outcomes the engines saw;
-    recovery: fault end -> first hit; and the daemon errors `expect_logged` names."""
+    recovery: fault end -> first hit; and the daemon errors `expect_logged` names. An L2
+    scenario also needs an engine hit served by the store after the fault (`l2`)."""
 
     name: str
     requests: int
@@ -68,12 +70,16 @@ class Result:
     #: and the most for one call (at most `workload.Engine.excuse_cap_s`).
     excused_ms: float = 0.0
     worst_excused_ms: float = 0.0
+    #: L2 scenarios: what the store served, and when it served a hit again.
+    l2: L2Verdict | None = None
     extra: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return (not (self.hung or self.leaked or self.wrong_bytes or self.missing_errors
-                     or self.dead_threads) and self.counters_ok)
+                     or self.dead_threads) and self.counters_ok
+                and (self.l2 is None or not self.l2.needs_recovery
+                     or self.l2.recovery_s is not None))
 
 
 class ErrorLog(logging.Handler):
@@ -152,6 +158,15 @@ def dead_threads(lanes: list, *, engines_alive: bool) -> set[str]:
 DAEMON_HOLDS = CLIENT_HOLDS
 
 
+def stop_canary(lane) -> None:
+    """An engine's L2 canary ends its check and stops before the holds are counted: its
+    checks would take locks and sessions while the count runs (what it owes is settled as
+    it stops)."""
+    canary = getattr(lane.orch, "l2_canary", None)
+    if canary is not None:
+        canary.close(lane.orch.config.l2.canary_deadline_ms / 1000 + 1)
+
+
 def engine_held(lane, daemon_running: bool) -> dict[str, int]:
     """What one engine still holds (slots, live prefixes, debts, unanswered calls); `lane`
     needs `.orch`, `.slots` and `.conn`."""
@@ -182,6 +197,8 @@ def count_leaks(lanes: list, daemon: DaemonProcess,
     served; calls to a replaced daemon count 0) and every owed release is paid, then count
     what is held: per engine (`engine_held`) and, once, what the daemon holds for the
     engines it shares (`DAEMON_HOLDS`). Returns (the sum, each engine's part)."""
+    for lane in lanes:
+        stop_canary(lane)
     end = time.monotonic() + settle_s
     while True:
         running = daemon_running(daemon)
@@ -196,6 +213,7 @@ def count_leaks(lanes: list, daemon: DaemonProcess,
 def settle_engine(lane, daemon_running: bool, settle_s: float) -> dict[str, int]:
     """`count_leaks` for one engine in its own process: wait (bounded) until it holds nothing
     and every call it sent was answered; what it still holds."""
+    stop_canary(lane)
     end = time.monotonic() + settle_s
     while True:
         held = engine_held(lane, daemon_running)
@@ -230,6 +248,8 @@ class EngineReport:
     dead: list[str] = field(default_factory=list)
     error: str = ""
     errors_seen: dict[str, int] = field(default_factory=dict)
+    #: What its metrics say of the L2 store (`L2_SIGNALS`), the zeros left out.
+    l2_signals: dict[str, int] = field(default_factory=dict)
 
 
 def report_of(lane, leaks: dict[str, int], *, max_debts: int = 0,
@@ -239,7 +259,24 @@ def report_of(lane, leaks: dict[str, int], *, max_debts: int = 0,
                         reconcile(lane.orch, lane.engine), leaks,
                         late_replies=lane.conn.late_replies, max_debts=max_debts,
                         dead=sorted(dead_threads([lane], engines_alive=False)),
-                        error=lane.error, errors_seen=dict(errors_seen or {}))
+                        error=lane.error, errors_seen=dict(errors_seen or {}),
+                        l2_signals=l2_signals(lane.orch.metrics.snapshot()))
+
+
+#: The series that tell an operator about the L2 store, by the name the verdict gives them:
+#: the canary's checks by result, the stalls found and the misses they answered at once.
+L2_SIGNALS = {"canary ": "loadback_l2_canary_checks_total{result=",
+              "stalls": "loadback_l2_stalls_total", "fast misses": "loadback_l2_fast_misses_total"}
+
+
+def l2_signals(snapshot: dict[str, float]) -> dict[str, int]:
+    """`L2_SIGNALS` in one metrics snapshot: `canary <result>`, `stalls`, `fast misses`."""
+    out = {}
+    for name, series in L2_SIGNALS.items():
+        for k, v in snapshot.items():
+            if v and (k == series or k.startswith(series) and series.endswith("=")):
+                out[name + k[len(series):].rstrip("}") if series.endswith("=") else name] = int(v)
+    return out
 
 
 @dataclass
@@ -251,6 +288,10 @@ class Played:
     dead: set = field(default_factory=set)
     hung_engines: list = field(default_factory=list)
     t_fault_end: float | None = None
+    #: Rounds at which the fault began and ended, and the daemon was restarted (or None).
+    fault_rounds: tuple[int, int, int | None] = (0, 0, None)
+    #: L2 scenarios: the engines' loads and the store's reads after each round.
+    l2: RoundSamples = field(default_factory=RoundSamples)
 
 
 def judge(scn: Scenario, reports: list[EngineReport], daemon_leaks: dict[str, int],
