@@ -105,9 +105,11 @@ class Connector(Protocol):
         """The daemon's own chunk size (its --chunk-size), checked at registration."""
 
     def lookup_hit_tokens(self, token_ids: Sequence[int], request_id: str, timeout_s: float,
-                          *, cache_salt: str = "") -> int:
+                          *, cache_salt: str = "", wait_s: float = 0.0) -> int:
         """match(): how many leading tokens the daemon holds (chunk multiple). On a hit
-        the daemon holds read locks on those chunks for `request_id`."""
+        the daemon holds read locks on those chunks for `request_id`. The daemon answers
+        within `timeout_s`; while it says its prefetch from L2 runs, the wait goes on up to
+        `wait_s` (then PrefetchPending)."""
 
     def free_locks(self, token_ids: Sequence[int], request_id: str, start: int, end: int,
                    timeout_s: float, *, cache_salt: str = "", shard: bool = False) -> None:

@@ -28,6 +28,12 @@ class DaemonTimeout(ConnectorError):
         super().__init__(f"{msg} ({detail})" if detail else msg)
 
 
+class PrefetchPending(DaemonTimeout):
+    """The daemon answered the LOOKUP and every poll of it, but its prefetch (the copy from
+    its L2 store into memory) was still running when the wait ended: the daemon is alive,
+    its L2 store was slow or hung."""
+
+
 class DaemonUnavailable(ConnectorError):
     """No connection to the daemon could be used before the deadline."""
 

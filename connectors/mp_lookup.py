@@ -7,38 +7,61 @@ import time
 from typing import Sequence
 
 from . import wire
-from .errors import DaemonTimeout, ProtocolError
+from .errors import DaemonTimeout, PrefetchPending, ProtocolError
 
 
 class LookupCalls:
     """Mixed into `LMCacheMPConnector` (its `_call`, `key`, `aligned`, `world_size`)."""
 
     def lookup_hit_tokens(
-        self, token_ids: Sequence[int], request_id: str, timeout_s: float, *, cache_salt: str = ""
+        self, token_ids: Sequence[int], request_id: str, timeout_s: float, *,
+        cache_salt: str = "", wait_s: float = 0.0,
     ) -> int:
         """LOOKUP the whole chunks of `token_ids` and wait for the prefetch: hit tokens.
+
+        The daemon must answer the LOOKUP and each status poll within `timeout_s` of the
+        start; once it has answered that its prefetch is still running (copying from its L2
+        store), polling goes on until `wait_s` from the start, if that is later. A wait
+        that ends with the prefetch still running raises PrefetchPending (the daemon is
+        alive); a daemon that does not answer, DaemonTimeout.
 
         On a hit the daemon holds read locks on the hit chunks until a retrieve of that
         range or free_lookup_locks. Raises on timeout; the caller then owes the daemon a
         free_lookup_locks for the range (the prefetch may still complete).
         """
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        call_deadline = start + timeout_s
+        deadline = start + max(timeout_s, wait_s)
         end = self.aligned(len(token_ids))
         if end == 0:
             return 0
         self.lookup(self.key(token_ids, request_id, lookup=True, cache_salt=cache_salt), timeout_s)
         pause = 0.0001
+        pending = False  # the daemon said "still running" at least once
         while True:
-            remaining = deadline - time.monotonic()
+            # Until the daemon said it is prefetching, only the call deadline holds.
+            limit = deadline if pending else call_deadline
+            remaining = limit - time.monotonic()
             if remaining <= 0:
-                raise DaemonTimeout("query_prefetch_status", timeout_s, "prefetch still running")
-            chunks = self.query_prefetch_status(request_id, remaining)
+                if pending:
+                    raise PrefetchPending("query_prefetch_status", limit - start,
+                                          "prefetch from L2 still running")
+                raise DaemonTimeout("query_prefetch_status", timeout_s, "no status answered")
+            poll_s = min(remaining, timeout_s)  # a daemon that stops answering: DaemonTimeout
+            try:
+                chunks = self.query_prefetch_status(request_id, poll_s)
+            except DaemonTimeout as exc:
+                if pending and poll_s < timeout_s:  # cut short by the wait's end
+                    raise PrefetchPending("query_prefetch_status", deadline - start,
+                                          "prefetch from L2 still running") from exc
+                raise
             if chunks is not None:
                 hit = chunks * self.chunk_size
                 if hit < 0 or hit > end:
                     raise ProtocolError(f"prefetch reports {chunks} chunks of a {end}-token key")
                 return hit
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pending = True
+            time.sleep(min(pause, max(0.0, limit - time.monotonic())))
             pause = min(pause * 2, 0.002)
 
     def lookup(self, key: wire.CacheKey, timeout_s: float) -> None:

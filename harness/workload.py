@@ -227,7 +227,7 @@ class Engine:
             held.append(local_slots)
             if local:
                 write_kv(self.pool, self.layout, prefix_kv(self.layout, prompt, 0, local), local_slots)
-            m, _ = self._timed("match", self._match_deadline_s(len(prompt) - local),
+            m, _ = self._timed("match", self._match_deadline_s(len(prompt), local),
                                orch.match, rid, prompt, local_hit_tokens=local)
             n = m.tokens
             loaded = 0
@@ -257,12 +257,14 @@ class Engine:
             for s in held:
                 self.slots.release(s)
 
-    def _match_deadline_s(self, most_tokens: int) -> float:
-        """match's bound: the LOOKUP's deadline; on shared memory with prepare_at_match, plus
-        the retrieve deadline of what it may prepare (match takes that round trip)."""
+    def _match_deadline_s(self, num_tokens: int, local: int) -> float:
+        """match's bound: the LOOKUP's deadline (its wait for an L2 store included:
+        `lookup_wait_s`); on shared memory with prepare_at_match, plus the retrieve deadline
+        of what it may prepare (match takes that round trip)."""
         cfg = self.orch.config
-        return cfg.deadlines.match_s(most_tokens, prepare=cfg.prepare_at_match
-                                     and self.orch.connector.transfer == "shm")
+        return cfg.deadlines.match_s(num_tokens - local, prepare=cfg.prepare_at_match
+                                     and self.orch.connector.transfer == "shm",
+                                     lookup_s=self.orch.lookup_wait_s(num_tokens, local))
 
     def _load(self, rid: str, prompt: list[int], local: int, n: int, phase: str,
               held: list[torch.Tensor]) -> tuple[int, torch.Tensor | None]:

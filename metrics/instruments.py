@@ -29,6 +29,7 @@ from .labels import (
     unknown_label,
 )
 from .l2_canary import CANARY_RESULTS, L2CanaryView
+from .l2_view import L2View
 from .operator_view import OperatorView, _Refresher
 
 __all__ = [
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 
-class LoadbackMetrics(OperatorView, L2CanaryView):
+class LoadbackMetrics(OperatorView, L2CanaryView, L2View):
     """All `loadback_*` instruments, with every labelled child pre-created.
 
     Label values come from closed sets given to `__init__` (the orchestrator passes its own
@@ -76,6 +77,7 @@ class LoadbackMetrics(OperatorView, L2CanaryView):
         self._declare_outcomes(reg, transitions)
         self._declare_daemon_calls(reg)
         self._declare_daemon_state(reg)
+        self._declare_l2(reg)
         self._declare_operator_view(reg)
         self._declare_l2_canary(reg)
 
@@ -145,8 +147,8 @@ class LoadbackMetrics(OperatorView, L2CanaryView):
         self._lookups = {r: c_lookups.labels(result=r) for r in LOOKUP_RESULTS}
         # A skipped LOOKUP degrades no prefix: during an outage this is the last refusal.
         self.last_skipped = Gauge("loadback_last_skipped_timestamp_seconds",
-                                  "Unix time a LOOKUP was last skipped (breaker open or not "
-                                  "registered; 0: never).", registry=reg,
+                                  "Unix time a LOOKUP was last skipped (breaker open, not "
+                                  "registered or L2 stalled; 0: never).", registry=reg,
                                   multiprocess_mode="livemax")
         self.lookup_duration = Histogram("loadback_lookup_duration_seconds",
                                          "LOOKUP latency (hit, miss, error; skipped ones are not timed).",

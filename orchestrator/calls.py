@@ -20,6 +20,7 @@ from lmcache_loadback.connectors.errors import (
     DaemonRejected,
     DaemonTimeout,
     DaemonUnavailable,
+    PrefetchPending,
     SlotsError,
 )
 from lmcache_loadback.connectors.retrieval import Retrieval
@@ -104,14 +105,32 @@ class PrefixCalls:
 
     # ---------------------------------------------------------------- LOOKUP
 
-    def lookup(self, p: Prefix, budget_s: float) -> tuple[int, DegradeReason | None]:
+    def lookup_refused(self) -> tuple[bool, DegradeReason | None]:
+        """Before a LOOKUP: (True, why) when none may be sent (the breaker open, not
+        registered, the daemon's L2 store stalled), counted as skipped; else (False, None)."""
+        is_open, stalled = not self.breaker.allow(), self.link.l2.stalled
+        if not (is_open or stalled or not self.link.registered()):
+            return False, None
+        if is_open and self.connector.epoch != self.link.registered_epoch:
+            self.link.wake()  # a new daemon is there: let the heartbeat probe it now
+        self.metrics.observe_lookup(None, "skipped")
+        if stalled and not is_open:
+            self.metrics.l2_fast_miss()
+        return True, (DegradeReason.BREAKER_OPEN if is_open
+                      else DegradeReason.L2_STALLED if stalled else None)
+
+    def lookup(self, p: Prefix, call_s: float, wait_s: float = 0.0
+               ) -> tuple[int, DegradeReason | None]:
+        """LOOKUP: the daemon answers within `call_s`; while it says its prefetch from L2
+        runs, the wait goes on up to `wait_s` in all (`L2Wait`)."""
+        budget_s = max(call_s, wait_s)
         deadline = self.clock() + budget_s
 
         def attempt() -> int:
             left = deadline - self.clock()
             if left <= 0:
                 raise DaemonTimeout("lookup", budget_s)
-            return self._send_lookup(p, left)
+            return self._send_lookup(p, min(left, call_s), left)
 
         try:
             hit = run_with_retries(attempt, self.link.config.retries, budget_s, clock=self.clock,
@@ -122,28 +141,37 @@ class PrefixCalls:
         self.breaker.record(True)
         return hit, None
 
-    def _send_lookup(self, p: Prefix, timeout_s: float) -> int:
+    def _send_lookup(self, p: Prefix, timeout_s: float, wait_s: float = 0.0) -> int:
         """One LOOKUP; on an answer the prefix's lease holds [0, hit). Any failure but
         "not sent" may leave a LOOKUP running: it is abandoned off the request path (its
-        result waited for, what it locked released) and never overlapped by another."""
+        result waited for, what it locked released) and never overlapped by another. What
+        it shows of the L2 store (how long its prefetch took, or that it outlived the
+        wait) goes to `L2Health`."""
         k = p.key
+        l2 = self.link.l2
         sent = self.clock()  # the lease's age counts from before the daemon locked anything
         try:
             hit = self.connector.lookup_hit_tokens(k.token_ids, k.request_id, timeout_s,
-                                                   cache_salt=k.cache_salt)
+                                                   cache_salt=k.cache_salt, wait_s=wait_s)
         except DaemonUnavailable:
             raise
         except ConnectorError as exc:
+            if isinstance(exc, PrefetchPending):
+                l2.observe_pending(len(k.token_ids) // self.connector.chunk_size,
+                                   self.clock() - sent)
             p.lease.forfeit()
             # Not before the daemon answered the LOOKUP: an abandon served first finds no
             # prefetch (query answers 0, the free releases nothing) and the LOOKUP then
-            # locks its whole hit until the read TTL.
+            # locks its whole hit until the read TTL. Not while the L2 store is stalled:
+            # the prefetch cannot finish, and tries spent on it would run out.
             self.link.owe("abandon_lookup", k.request_id, p.epoch, lambda t: (
                 self.connector.abandon_lookup(k.token_ids, k.request_id, t,
                                               cache_salt=k.cache_salt)),
                 idempotent=True,
-                ready=lambda: self.connector.unanswered(k.request_id) == 0)
+                ready=lambda: self.connector.unanswered(k.request_id) == 0,
+                hold=lambda: l2.stalled)
             raise LookupAbandoned(exc) from exc
+        l2.observe_answer(hit // self.connector.chunk_size, self.clock() - sent)
         p.lease = Lease(k, p.epoch, 0, hit, taken_at=sent)
         return hit
 

@@ -49,11 +49,13 @@ class Deadlines(_Section):
         ms = self.retrieve_base_ms + self.retrieve_per_ki_token_ms * tokens / 1024
         return min(self.retrieve_max_ms, ms) / 1000
 
-    def match_s(self, tokens: int, *, prepare: bool) -> float:
-        """match's bound for a prefix that may load `tokens`: the LOOKUP's deadline, plus
-        the retrieve deadline where match also prepares the retrieve (prepare_at_match on
-        shared memory takes that round trip)."""
-        return self.lookup_ms / 1000 + (self.retrieve_s(tokens) if prepare else 0.0)
+    def match_s(self, tokens: int, *, prepare: bool, lookup_s: float | None = None) -> float:
+        """match's bound for a prefix that may load `tokens`: the LOOKUP's deadline
+        (`lookup_s`, the orchestrator's `lookup_wait_s` where an L2 store may be waited
+        for; lookup_ms when not given), plus the retrieve deadline where match also prepares
+        the retrieve (prepare_at_match on shared memory takes that round trip)."""
+        return ((self.lookup_ms / 1000 if lookup_s is None else lookup_s)
+                + (self.retrieve_s(tokens) if prepare else 0.0))
 
 
 _Backoff = Annotated[float, Meta(ge=0, description="milliseconds, 0 for none",
@@ -102,7 +104,10 @@ class InProcess(_Section):
 
 
 class L2(_Section):
-    """The daemon's L2 store (its --l2-adapter), which the daemons of a fleet share."""
+    """The daemon's L2 store (its --l2-adapter), which the daemons of a fleet share: the
+    canary and the fleet's hash algorithm, how long a LOOKUP waits for the daemon to copy a
+    prefix from it, and when the store counts as stalled (`orchestrator/l2.py`; a daemon
+    without an L2 answers every LOOKUP at once, so those keys do not apply to it)."""
 
     # every this often, off the request path, store a marker prefix through the daemon, drop
     # its L1 copy and load it back from L2 (the resp adapter loses stores silently); 0: off.
@@ -117,6 +122,19 @@ class L2(_Section):
     # registration (read from its admin API, mp_http_port)
     hash_algorithm: Annotated[str, Meta(min_length=1, pattern=r"^\S+$",
                                         description="the daemons' --hash-algorithm")] = "blake3"
+    # the most a LOOKUP waits while the daemon says its prefetch from L2 is still running; at
+    # or under deadlines.lookup_ms no LOOKUP waits past that (a fixed deadline, as before)
+    max_wait_ms: _ms("the longest wait for L2, in milliseconds") = 500.0
+    # a LOOKUP waits at most this many times the fetch its prefix is expected to take
+    wait_slack: Annotated[float, Meta(ge=1, description="a factor, at least 1")] = 3.0
+    # the store's fetch speed assumed until LOOKUPs have measured one (per chunk, moving)
+    initial_fetch_gbps: Annotated[float, Meta(
+        gt=0, description="L2 fetch speed assumed until one is measured")] = 0.5
+    fetch_ema_alpha: _Ratio = 0.2    # weight of a slower sample; a faster one weighs a quarter
+    # LOOKUPs in a row whose prefetch was still running past its expected fetch: L2 stalled
+    stall_after: Annotated[int, Meta(ge=1, description="LOOKUPs in a row")] = 2
+    probe_interval_ms: _ms("milliseconds between probes of a stalled L2") = 500.0
+    probe_timeout_ms: _ms("a probe LOOKUP answered within this: L2 answers again") = 200.0
 
 
 class Metrics(_Section):

@@ -73,7 +73,8 @@ class LoadBackOrchestrator:
         self.metrics.set_daemon_up(False)
         self.metrics.config_generation(1)
         self.link = DaemonLink(connector, config, self.breaker, self.metrics, background=bool(
-            start_heartbeat if start_heartbeat is not None else config.heartbeat.enabled))
+            start_heartbeat if start_heartbeat is not None else config.heartbeat.enabled),
+            break_even=self.break_even)
         self.breaker.on_change = self._breaker_changed
         suffix = "" if self.tp.leader else f"@rank{self.tp.rank}"
         self.sessions = Sessions(connector, self.link, self._lock, store_suffix=suffix)
@@ -88,8 +89,8 @@ class LoadBackOrchestrator:
     def match(self, request_id: str, token_ids: Sequence[int], *, local_hit_tokens: int = 0,
               cache_salt: str = "") -> MatchResult:
         """How many tokens the engine may load beyond its local hit (`.tokens`, 0 =
-        recompute). Bounded by deadlines.lookup_ms; repeated calls for a live request
-        answer from the marker."""
+        recompute). Bounded by `lookup_wait_s`; a miss at once while the breaker is open or
+        the L2 store stalled. Repeated calls for a live request answer from the marker."""
         with self._lock:
             p = self._live.get(request_id)
         if p is not None:
@@ -100,14 +101,10 @@ class LoadBackOrchestrator:
         aligned = len(token_ids) // chunk * chunk
         if aligned - local_hit_tokens < max(1, self.config.break_even.min_tokens):
             return MatchResult()  # the daemon cannot add enough to matter: do not even ask
-        is_open = not self.breaker.allow()
-        if is_open or not self.link.registered():
-            if is_open and self.connector.epoch != self.link.registered_epoch:
-                self.link.wake()  # a new daemon is there: let the heartbeat probe it now
-            # Other TP ranks may be asking: join the decision with a "cannot" (-1).
-            self.tp.min(-1)
-            self.metrics.observe_lookup(None, "skipped")
-            return MatchResult(reason=DegradeReason.BREAKER_OPEN if is_open else None)
+        refused, why = self.calls.lookup_refused()
+        if refused:
+            self.tp.min(-1)  # other TP ranks may be asking: join them with a "cannot" (-1)
+            return MatchResult(reason=why)
         start = self.clock()
         key = RequestKey.of(request_id, token_ids, cache_salt)
         epoch = self.link.registered_epoch
@@ -115,7 +112,8 @@ class LoadBackOrchestrator:
         hit, reason = 0, None
         if self.tp.leader:  # one LOOKUP for the whole TP group: the daemon keys it by id
             self._touch_session(request_id, epoch)
-            hit, reason = self.calls.lookup(p, self.config.deadlines.lookup_ms / 1000)
+            hit, reason = self.calls.lookup(p, self.config.deadlines.lookup_ms / 1000,
+                                            self.lookup_wait_s(len(token_ids), local_hit_tokens))
         # One decision across TP ranks: the leader's answer, or -1 if any rank failed.
         agreed = self.tp.share(hit, ok=reason is None)
         result = "error" if agreed < 0 else "hit" if agreed > local_hit_tokens else "miss"
@@ -133,6 +131,12 @@ class LoadBackOrchestrator:
         self.calls.free(p, agreed, hit)  # this rank may hold more than the group agreed on
         self._mark(p, chunk)
         return p.match_result()
+
+    def lookup_wait_s(self, num_tokens: int, local_hit_tokens: int = 0) -> float:
+        """The most a LOOKUP of `num_tokens` waits, the engines' deadline too (`L2Wait`:
+        longer than lookup_ms only while the daemon copies from L2 and that still pays)."""
+        return self.link.l2.wait.wait_s(num_tokens, local_hit_tokens,
+                                        self.config.deadlines.lookup_ms / 1000)
 
     def _mark(self, p: Prefix, chunk: int) -> None:
         """A matched prefix: promise it (marked) if loading beats recomputing, releasing
@@ -279,7 +283,7 @@ class LoadBackOrchestrator:
         self._fire(p, "mark")
 
     def reload(self, config: LoadBackConfig) -> None:
-        """Swap policy values (deadlines, retries, breaker, break-even, heartbeat) in place.
+        """Swap policy values (deadlines, retries, breaker, break-even, heartbeat, l2).
 
         Raises ConfigError for changes that need a restart (`LoadBackConfig.check_reload`);
         the running config then stays in force.
@@ -289,6 +293,7 @@ class LoadBackOrchestrator:
             self.config = self.link.config = config
             self.breaker.policy = config.breaker
             self.break_even.policy = config.break_even
+            self.link.l2.wait.policy = config.l2
             self.generation += 1
         self.metrics.config_generation(self.generation)
         self.link.wake()  # a new heartbeat interval applies from the next tick

@@ -49,6 +49,10 @@ class Debt:
     #: Not before this holds (the copy finished reading the daemon's buffer; the daemon
     #: answered every call of the request). Waiting costs no try.
     ready: Callable[[], bool] | None = None
+    #: Not tried while this holds (the daemon's L2 store is stalled, so an abandoned
+    #: LOOKUP's prefetch cannot finish yet): no try spent, no fast polling; the releaser
+    #: is woken when it ends.
+    hold: Callable[[], bool] | None = None
     tries: int = 0
     max_tries: int = 20
     #: Its run or ready raised unexpectedly and that was logged at WARNING (once a debt).
@@ -94,11 +98,11 @@ class DebtBook:
 
     def owe(self, what: str, request_id: str, epoch: int, run: Callable[[float], object], *,
             idempotent: bool = False, ready: Callable[[], bool] | None = None,
-            max_tries: int = 20) -> None:
+            hold: Callable[[], bool] | None = None, max_tries: int = 20) -> None:
         """A release the daemon incarnation `epoch` is owed. With background threads it is
         queued and paid by the releaser at once, off the request path (a hung daemon must
         not stretch match, load_back or finish); without them it runs inline if it can."""
-        debt = Debt(what, request_id, epoch, run, idempotent, ready, max_tries=max_tries)
+        debt = Debt(what, request_id, epoch, run, idempotent, ready, hold, max_tries=max_tries)
         if self._stale(debt):
             return
         if self.background or self._closing is not None:  # close_out pays it, in budget
@@ -138,6 +142,8 @@ class DebtBook:
         unexpected raise from `ready` or `run` is `_raised`'s to handle, never the caller's."""
         if d.sent:  # in the daemon's hands: paid once it answered, never sent twice
             return _PAID if self.connector.unanswered(d.request_id) == 0 else _LATER
+        if d.hold is not None and d.hold():
+            return _LATER
         if d.ready is not None:
             try:
                 if not d.ready():

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from lmcache_loadback.connectors.errors import (
     ConnectorError,
     DaemonTimeout,
+    PrefetchPending,
     ProtocolError,
     ShortRead,
 )
@@ -44,6 +45,10 @@ class Outcome:
 
 #: (phase, error class, outcome). Read top-down; the first matching row wins.
 FAILURES: list[tuple[str, type[ConnectorError], Outcome]] = [
+    # The daemon answered every poll, only its copy from L2 outlived the wait: it is alive
+    # (the L2 store's health is `L2Health`'s to judge, never the breaker's).
+    ("lookup", PrefetchPending,
+     Outcome(DegradeReason.LOOKUP_TIMEOUT, breaker_ok=True, timeout_op="lookup")),
     ("lookup", DaemonTimeout,
      Outcome(DegradeReason.LOOKUP_TIMEOUT, timeout_op="lookup", suspect=True)),
     ("lookup", ConnectorError, Outcome(DegradeReason.LOOKUP_ERROR)),

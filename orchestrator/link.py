@@ -21,7 +21,8 @@ from .config import LoadBackConfig
 from .debts import DebtBook
 from .fleet_identity import FleetIdentity
 from .instruments import REFUSALS
-from .policies import BreakerState, CircuitBreaker
+from .l2 import L2Health
+from .policies import BreakerState, BreakEvenGuard, CircuitBreaker, L2Wait
 from .state_log import StateLog
 
 log = logging.getLogger("loadback")
@@ -63,7 +64,8 @@ class DaemonLink(DebtBook):
     """
 
     def __init__(self, connector: Connector, config: LoadBackConfig, breaker: CircuitBreaker,
-                 metrics: LoadbackMetrics, *, background: bool) -> None:
+                 metrics: LoadbackMetrics, *, background: bool,
+                 break_even: BreakEvenGuard | None = None) -> None:
         self.connector = connector
         self.config = config  # swapped by the orchestrator's reload
         self.breaker = breaker
@@ -87,6 +89,12 @@ class DaemonLink(DebtBook):
         self._transfer_logged: str | None = None
         self._on_tick: list[Callable[[], None]] = []
         self._identity: FleetIdentity | None = None  # made at the first daemon with an L2
+        #: The daemon's L2 store as its LOOKUPs show it; probed from the heartbeat.
+        layout = connector.layout
+        self.l2 = L2Health(L2Wait(config.l2, layout.chunk_size, layout.chunk_bytes, break_even
+                                  or BreakEvenGuard(config.break_even, layout.bytes_per_token)),
+                           metrics, self.states, breaker.clock, connector.endpoint)
+        self.l2.on_stall = self.wake
         for reason in REFUSALS:
             metrics.daemon_refused(reason, False)
         self.background = background
@@ -275,6 +283,11 @@ class DaemonLink(DebtBook):
         self.metrics.set_daemon_up(True)
         if self.breaker.state == BreakerState.HALF_OPEN:
             self.breaker.record(True)
+        if self.registered_epoch == epoch and self.breaker.allow():
+            was = self.l2.stalled
+            self.l2.tick(self.connector, self.control_s, self.owe)
+            if was and not self.l2.stalled:
+                self._release_wake.set()  # abandoned LOOKUPs held for the store: pay them
         self.pay()
 
     def _register(self, epoch: int) -> bool:
@@ -340,9 +353,10 @@ class DaemonLink(DebtBook):
             except Exception:  # the heartbeat must outlive any bug in one tick
                 log.exception("heartbeat tick failed")
             wait = interval if self.registered_epoch is not None else min(interval, 0.05)
-            due = self.breaker.probe_in()
-            if due is not None:  # an open breaker's probe goes out when due, not a tick late
-                wait = min(wait, max(due, PROBE_POLL_MIN_S))
+            # An open breaker's probe, or a stalled L2's, goes out when due, not a tick late.
+            for due in (self.breaker.probe_in(), self.l2.probe_in()):
+                if due is not None:
+                    wait = min(wait, max(due, PROBE_POLL_MIN_S))
             self._wake.wait(wait)
             self._wake.clear()
 
@@ -362,6 +376,11 @@ class DaemonLink(DebtBook):
                 except Exception:  # the releaser must outlive any bug in one pass
                     log.exception("releasing owed daemon state failed")
             poll = min(max(poll * 2, READY_POLL_MIN_S), READY_POLL_MAX_S) if waiting else 0.0
+
+    def close_out(self) -> None:
+        """close(): a probe of the L2 store still on the daemon is owed too; then settle."""
+        self.l2.close(self.connector, self.owe)
+        super().close_out()
 
     def stop_threads(self) -> None:
         """Stop both threads; from here on, releases run inline."""

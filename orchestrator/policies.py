@@ -7,6 +7,7 @@ Time comes from one injectable clock so deadline and cooldown tests run in milli
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ import tenacity
 
 from lmcache_loadback.connectors.errors import ConnectorError
 
-from .config import BreakEven, Breaker, Retries
+from .config import L2, BreakEven, Breaker, Retries
 
 T = TypeVar("T")
 Clock = Callable[[], float]
@@ -236,3 +237,86 @@ class BreakEvenGuard:
         a = self.policy.bandwidth_ema_alpha
         with self._lock:
             self.bandwidth_bps = (1 - a) * self.bandwidth_bps + a * (nbytes / seconds)
+
+
+# -- waiting for L2 ------------------------------------------------------------
+
+
+@dataclass
+class L2Wait:
+    """How long a LOOKUP waits for the daemon to copy its prefix from the L2 store, and the
+    moving estimate of that copy's time per chunk it is derived from (DESIGN.md, "Waiting
+    for L2"). For a prompt of `chunks` whole chunks, `tokens` of them beyond the engine's
+    own hit:
+
+        fetch = chunks * per_chunk                (the daemon copies the whole prompt)
+        pays  = tokens / prefill_tokens_per_s - load(tokens)
+        wait  = lookup  when fetch >= pays, or max_wait <= lookup
+        wait  = max(lookup, min(max_wait, pays, wait_slack * fetch))  otherwise
+
+    Past `pays` even a full hit costs more than recomputing at once; past `wait_slack`
+    times the expected fetch a store that still has not delivered is more likely stalled
+    than slow. The wait only ever lengthens past `lookup` while the daemon answers that its
+    prefetch is still running, so a daemon without L2, or a hung one, is bounded by
+    `lookup` as before, and an L1 hit answered at once is not slowed.
+
+    The estimate learns from every answered LOOKUP with a hit: its time until the prefetch
+    status answered, per chunk found. The daemon's answer does not say how many of those
+    chunks its own memory already held, and those come faster: a sample above the estimate
+    weighs `fetch_ema_alpha`, one below a quarter of that, so the estimate follows the
+    store's rate rather than memory hits'. A LOOKUP whose prefetch outlived its wait is a
+    lower bound on the rate (counted the same way when above)."""
+
+    policy: L2
+    chunk_size: int
+    chunk_bytes: int
+    break_even: BreakEvenGuard
+    per_chunk_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.per_chunk_s = self.chunk_bytes / (self.policy.initial_fetch_gbps * 1e9)
+
+    def fetch_s(self, chunks: int) -> float:
+        """The expected time for the daemon to copy `chunks` from L2."""
+        return chunks * self.per_chunk_s
+
+    def wait_s(self, num_tokens: int, local_tokens: int, lookup_s: float) -> float:
+        """The LOOKUP's wait for a prompt of `num_tokens`, `local_tokens` of them in the
+        engine's own cache (formula above)."""
+        p = self.policy
+        chunks = num_tokens // self.chunk_size
+        tokens = max(0, chunks * self.chunk_size - local_tokens)
+        tps = self.break_even.policy.prefill_tokens_per_s
+        recompute = tokens / tps if tps > 0 else math.inf
+        pays = recompute - self.break_even.load_seconds(tokens)
+        cap = p.max_wait_ms / 1000
+        fetch = self.fetch_s(chunks)
+        if cap <= lookup_s or fetch >= pays:
+            return lookup_s
+        return max(lookup_s, min(cap, pays, p.wait_slack * fetch))
+
+    def answered(self, chunks_hit: int, elapsed_s: float) -> None:
+        """A LOOKUP's prefetch answered `chunks_hit` chunks after `elapsed_s`."""
+        if chunks_hit > 0 and elapsed_s > 0:
+            self._learn(elapsed_s / chunks_hit, slower_only=False)
+
+    def outlived(self, chunks: int, waited_s: float) -> bool:
+        """A LOOKUP of `chunks` whose prefetch was still running after `waited_s`: True
+        when it waited at least the fetch the estimate expected (evidence of a stalled
+        store, not of a wait cut short by break-even or the cap)."""
+        if chunks <= 0:
+            return False
+        expected = self.fetch_s(chunks)
+        self._learn(waited_s / chunks, slower_only=True)
+        return waited_s >= expected
+
+    def _learn(self, sample: float, *, slower_only: bool) -> None:
+        if not math.isfinite(sample) or sample <= 0:
+            return
+        with self._lock:
+            slower = sample > self.per_chunk_s
+            if not slower and slower_only:
+                return
+            a = self.policy.fetch_ema_alpha * (1.0 if slower else 0.25)
+            self.per_chunk_s = (1 - a) * self.per_chunk_s + a * sample

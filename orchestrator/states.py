@@ -43,6 +43,7 @@ class DegradeReason(str, enum.Enum):
     UNUSED = "unused"           # the request finished without loading what was promised
     LEASE_EXPIRED = "lease_expired"  # promised past lease_max_age_ms: the locks may be gone
     TRANSFER_BUSY = "transfer_busy"  # the same range is prepared for another request already
+    L2_STALLED = "l2_stalled"   # the daemon's L2 store is stalled: a miss at once, no LOOKUP
     CLOSED = "closed"
 
 

@@ -213,7 +213,7 @@ def _render_canary(c: dict[str, Any] | None) -> str:
 
 #: The last refusal's reason when it was a LOOKUP skipped (`loadback_lookups_total{result}`).
 SKIPPED = "skipped"
-_SKIPPED_SAYS = "skipped: no LOOKUP sent, breaker open or not registered"
+_SKIPPED_SAYS = "skipped: no LOOKUP sent, breaker open, not registered or L2 stalled"
 
 
 def report(samples: Samples, *, url: str, now: float | None = None) -> dict[str, Any]:

@@ -135,7 +135,7 @@ class InMemoryConnector:
         self._maybe_fail("get_chunk_size")
         return self.chunk_size
 
-    def lookup_hit_tokens(self, token_ids, request_id, timeout_s, *, cache_salt=""):
+    def lookup_hit_tokens(self, token_ids, request_id, timeout_s, *, cache_salt="", wait_s=0.0):
         exc = self._failure("lookup")
         if exc is not None and not isinstance(exc, DaemonTimeout):
             raise exc

@@ -43,9 +43,10 @@ class PrefetchHooks:
             return False
         p = Promise(self._next_id(handle), ids, salt, device_len, relookups=relookups,
                      key=RadixKey(array("q", ids), key.extra_key, cache_salt=key.cache_salt))
-        # match may also prepare the retrieve (shm)
-        budget = self.config.deadlines.match_s(len(ids) - device_len,
-                                               prepare=self.config.prepare_at_match)
+        # match may also prepare the retrieve (shm); the LOOKUP may wait for L2
+        budget = self.config.deadlines.match_s(
+            len(ids) - device_len, prepare=self.config.prepare_at_match,
+            lookup_s=self.orch.lookup_wait_s(len(ids), device_len))
         job = self._worker.submit(p.request_id, p.token_ids, device_len, salt,
                                   time.monotonic() + budget + 0.05, record=p)
         if job.skipped:

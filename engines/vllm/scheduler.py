@@ -218,7 +218,7 @@ class SchedulerSide:
     def _submit(self, rid: str, token_ids: list[int], local: int, end: int, salt: str) -> Ask:
         attempt = self._attempts.get(rid, 0) + 1
         self._attempts[rid] = attempt
-        budget = self.orch.config.deadlines.lookup_ms / 1000
+        budget = self.orch.lookup_wait_s(len(token_ids), local)
         asked_at = self.orch.clock()
         lookup = self.lookups.submit(f"{rid}#ask{attempt}", token_ids, local, salt,
                                      time.monotonic() + budget)

@@ -42,7 +42,8 @@ class NullConnector:
     def ping(self, t): return True
     def unregister(self, t): return None
     def get_chunk_size(self, t): return LAYOUT.chunk_size
-    def lookup_hit_tokens(self, toks, rid, t, *, cache_salt=""): return len(toks) // 256 * 256
+    def lookup_hit_tokens(self, toks, rid, t, *, cache_salt="", wait_s=0.0):
+        return len(toks) // 256 * 256
     def free_locks(self, *a, **k): return None
     def abandon_lookup(self, *a, **k): return True
     def end_session(self, rid, t): return None

@@ -24,5 +24,5 @@ def test_the_last_refusal_during_an_outage_is_the_skipped_lookups_not_the_last_d
     assert st["last_refusal"] == {"reason": "skipped", "at": now - 2, "ago_s": 2.0,
                                   "count": 3}
     table = status.render(st)
-    assert ("\n  last refusal    skipped: no LOOKUP sent, breaker open or not registered "
+    assert ("\n  last refusal    skipped: no LOOKUP sent, breaker open, not registered or L2 stalled "
             "(2 s ago; 3 so far)") in table, table
