@@ -12,7 +12,7 @@ from lmcache_loadback.orchestrator.commands import scenario_names
 from .args import count, positive_float, run_tool, usage_error
 
 #: bench SUITE -> its module under harness/bench, where the names differ
-BENCH_MODULES = {"vllm": "vllm_load"}
+BENCH_MODULES = {"vllm": "vllm_load", "l2": "l2_wait"}
 
 
 def _engines_arg(text: str) -> int:
@@ -28,14 +28,17 @@ def _engines_arg(text: str) -> int:
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: client (wire), core (orchestrator), "
-                       "gpu (CUDA KV pools), vllm (the vLLM worker's load path on CPU)",
+                       "gpu (CUDA KV pools), vllm (the vLLM worker's load path on CPU), l2 "
+                       "(the LOOKUP's wait for a shared L2 store)",
                        description="Exits 1 when a target is missed or a contender dropped, "
                        "and bench gpu on a host without CUDA.")
-    p.add_argument("suite", choices=["client", "core", "gpu", "vllm"],
+    p.add_argument("suite", choices=["client", "core", "gpu", "vllm", "l2"],
                    help="client: the wire client against LMCache's; core: the orchestrator's "
                    "own cost and deadline keeping; gpu: load-back into a CUDA KV pool (and into "
                    "vLLM's CUDA paged layout); vllm: the vLLM worker's load into vLLM's CPU paged "
-                   "cache against LMCache's own")
+                   "cache against LMCache's own; l2: prefixes stored through one daemon and "
+                   "loaded through another on one redis-server, the break-even wait against "
+                   "fixed LOOKUP deadlines of 50 ms and unlimited")
     p.add_argument("--json", metavar="FILE", help="also write the figures and verdicts")
     p.add_argument("--samples", type=count(0), default=0, metavar="N",
                    help="samples per point (0 = the suite's default); with --concurrency, "
@@ -50,6 +53,9 @@ def add_bench(sub) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"],
                    help="with --concurrency: cpu runs the bench's logic on the CPU (a small KV "
                    "layout, plain copies, no targets judged; default cuda)")
+    p.add_argument("--adapter", choices=["resp", "valkey"],
+                   help="l2 only: the daemons' L2 adapter (default resp; valkey needs "
+                   "valkey-glide-sync)")
     p.set_defaults(fn=lambda a: _bench(p, a))
 
 
@@ -82,6 +88,8 @@ def _bench(p, a) -> int:
                 return usage_error(p, f"--{flag} applies to bench gpu --concurrency only")
     elif a.suite != "gpu":
         return usage_error(p, "--concurrency applies to bench gpu only")
+    if a.adapter is not None and a.suite != "l2":
+        return usage_error(p, "--adapter applies to bench l2 only")
     module = "gpu_concurrency_run" if a.concurrency else BENCH_MODULES.get(a.suite, a.suite)
     return importlib.import_module(f"lmcache_loadback.harness.bench.{module}").run(a)
 

@@ -416,7 +416,7 @@ def test_cli_make_and_device_checkers_report_what_is_missing(tmp_path):
             "`make demo ENGINE=vllm`, `make nowhere`.\n\n"
             "```bash\n.venv/bin/loadback status --url U \\\n    --jsn\n```\n")
     assert cli_errors(text, build_parser()) == [
-        "`loadback bench client|core|gpu`: the choices are client|core|gpu|vllm",
+        "`loadback bench client|core|gpu`: the choices are client|core|gpu|vllm|l2",
         "`loadback tune --nope`: no such flag", "`loadback chaos walk`: no such command",
         "`loadback status --jsn`: no such flag"]
     (tmp_path / "Makefile").write_text(".PHONY: demo\ndemo: venv\n\techo x: y\nX := 1\n")
