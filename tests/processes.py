@@ -86,7 +86,11 @@ class _Side:
         self.pool = make_pool(layout, 1024) if role == "loader" else None
         self.conn = LMCacheMPConnector(f"tcp://127.0.0.1:{port}", layout,
                                        connect_timeout_s=0.2)
-        config = config_for(SimpleNamespace(port=port), prepare_at_match=False)
+        # What is stepped here is ownership and order across processes, not speed: deadlines
+        # a loaded host meets (a first LOOKUP on a just-restarted daemon took over 100 ms).
+        config = config_for(SimpleNamespace(port=port), prepare_at_match=False, deadlines={
+            "lookup_ms": 2000, "retrieve_base_ms": 3000, "retrieve_max_ms": 3000,
+            "control_ms": 1000})
         self.orch = LoadBackOrchestrator(config, self.conn, kv_pool=self.pool,
                                          start_heartbeat=background)
         self.orch.handoff.hands_off = role == "asker"  # as vLLM's scheduler sets it

@@ -101,8 +101,11 @@ def test_a_loader_behind_the_askers_registration_releases_the_lookup(procs, daem
     loader has reconnected but its heartbeat has not re-registered yet when it adopts (runs
     last: it restarts the module's daemon)."""
     asker, loader = procs
-    epoch = loader.call("conn.epoch")
+    epoch, asker_epoch = loader.call("conn.epoch"), asker.call("conn.epoch")
     daemon.restart()
+    # The asker saw the restart (a new epoch) and registered there: right after the restart
+    # its connection may not have noticed yet, and "registered" would still be the old one's.
+    assert wait_for(lambda: asker.call("conn.epoch") > asker_epoch)
     assert asker.call("registered")
     assert wait_for(lambda: loader.call("conn.epoch") > epoch)   # reconnected, not registered
     assert loader.call("link.registered_epoch") == epoch
