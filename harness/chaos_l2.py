@@ -298,7 +298,10 @@ class Supervisor:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=150)
+        self._thread.join(timeout=1)
+        if self._thread.is_alive():  # a start still waiting on its store: ends it at once
+            self.daemon.kill()
+            self._thread.join(timeout=30)
 
 
 @dataclass
