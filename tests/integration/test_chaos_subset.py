@@ -152,7 +152,7 @@ def _l2_missing() -> str:
 
 
 @pytest.mark.skipif(bool(_l2_missing()), reason=_l2_missing())
-@pytest.mark.parametrize("name, requests", [("l2_restart", 200)])
+@pytest.mark.parametrize("name, requests", [("l2_kill", 200), ("l2_restart", 200)])
 def test_l2_store_broken_under_the_daemon_keeps_every_invariant_and_serves_hits_again(
         name, requests):
     """The daemon's L2 store (a real redis-server, valkey adapter) broken while the daemon
