@@ -309,7 +309,10 @@ def run(args) -> int:
           f"{args.duration_s:g} s over {POOL} prompts of {PROMPT_LEN} tokens (the device pool "
           f"holds {MAX_TOTAL_TOKENS} tokens, so revisits hit only in LMCache), client deadline "
           f"{args.deadline_s:g} s; upstream's lmcache.mp.mq_timeout {args.mq_timeout_s:g} s "
-          f"(default 300). Done in {time.monotonic() - t0:.0f} s; servers and daemons stopped.")
+          f"(default 300). A restarted daemon is empty: recovery includes a prompt stored again "
+          f"and its next visit (each prompt comes back every "
+          f"{POOL * args.interval_ms / 1000:g} s). Done in {time.monotonic() - t0:.0f} s; "
+          f"servers and daemons stopped.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summaries, f, indent=2)
