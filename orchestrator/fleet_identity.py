@@ -30,7 +30,7 @@ from lmcache_loadback.connectors.errors import ConnectorError, DaemonTimeout
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 
-from .l2_canary import MARKER_LAYOUT
+from .l2_marker import MARKER_LAYOUT
 
 log = logging.getLogger("loadback")
 

@@ -26,7 +26,6 @@ release: the next check settles it first, and counts `timeout` while it still ru
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -42,21 +41,14 @@ from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 from lmcache_loadback.metrics import LoadbackMetrics
 
 from .config import LoadBackConfig
+from .l2_marker import (CANARY_MODEL, CANARY_SALT, MARKER_CHUNKS, MARKER_LAYOUT,
+                        KeysUnavailable, marker, object_keys)
 
 log = logging.getLogger("loadback")
 
 __all__ = ["L2Canary", "MARKER_CHUNKS", "MARKER_LAYOUT", "marker", "object_keys",
            "start_l2_canary"]
 
-#: The canary's keys: `loadback-l2-canary@<rank>@0@<hash>@loadback-l2-canary`, never an
-#: engine's (its own model name: registering a tiny layout under the engine's would replace
-#: the engine's in the daemon's layout registry).
-CANARY_MODEL = "loadback-l2-canary"
-CANARY_SALT = "loadback-l2-canary"
-#: Several chunks: against a cluster without cluster_mode only some chunks are lost.
-MARKER_CHUNKS = 4
-#: 2 layers x 1 head x 16 dim, bf16: the marker is tiny whatever the chunk size.
-MARKER_LAYOUT = dict(num_layers=2, num_heads=1, head_dim=16, dtype=torch.bfloat16)
 #: How often the daemon's store queue and a locked L1 copy are looked at again.
 POLL_S = 0.01
 #: The floor of an admin API call's timeout (a clean-up made as the deadline ends).
@@ -80,53 +72,12 @@ _LOST_HINTS = {
 }
 
 
-def marker(chunk_size: int, chunks: int) -> tuple[list[int], KVPool]:
-    """Random tokens (a key no engine has) and their KV in slots [0, n); [n, 2n) receive."""
-    n = chunks * chunk_size
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    layers = MARKER_LAYOUT["num_layers"]
-    shape = (2 * n, MARKER_LAYOUT["num_heads"], MARKER_LAYOUT["head_dim"])
-    bufs = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2 * layers)]
-    toks = torch.randint(0, 50000, (n,), generator=g).tolist()
-    return toks, KVPool(bufs[:layers], bufs[layers:])
-
-
-def object_keys(model_name: str, token_ids: list[int], cache_salt: str, chunk_size: int,
-                hash_algorithm: str, world_size: int = 1) -> list[dict]:
-    """The daemon's keys of `token_ids` (one per chunk and rank), in the admin API's JSON
-    form, made by lmcache's own resolver (imported here: seconds, once, off the request path)."""
-    try:
-        from lmcache.v1.multiprocess.cache_control.key_resolver import resolve_object_keys
-    except ImportError:
-        raise _Verdict("unchecked", "the canary computes the daemon's keys with lmcache's own "
-                       "resolver, and lmcache is not importable in this environment: install "
-                       "it without its dependencies (`pip install --no-deps lmcache==0.5.6`), "
-                       "or turn the canary off (l2.canary_interval_ms: 0)", once=True) from None
-
-    keys, _ = resolve_object_keys(_hasher(chunk_size, hash_algorithm), model_name, world_size,
-                                  token_ids, cache_salt)
-    return [dataclasses.asdict(k.to_encoded_object_key()) for k in keys]
-
-
-_hashers: dict[tuple[int, str], object] = {}
-
-
-def _hasher(chunk_size: int, hash_algorithm: str):
-    key = (chunk_size, hash_algorithm)
-    if key not in _hashers:
-        from lmcache.v1.multiprocess.token_hasher import TokenHasher
-
-        _hashers[key] = TokenHasher(chunk_size, hash_algorithm)
-    return _hashers[key]
-
-
 class _Verdict(Exception):
     """Ends a check with its result and the line that says why."""
 
-    def __init__(self, result: str, why: str, *, once: bool = False) -> None:
+    def __init__(self, result: str, why: str) -> None:
         super().__init__(why)
         self.result = result
-        self.once = once  # a lasting cause: said once at WARNING, not at DEBUG each check
 
 
 class L2Canary:
@@ -214,7 +165,9 @@ class L2Canary:
             result, why = self._check(cfg), ""
         except _Verdict as v:
             result, why = v.result, str(v)
-            if v.once and why not in self._said:
+        except KeysUnavailable as exc:  # lasting: said once at WARNING, not each check
+            result, why = "unchecked", str(exc)
+            if why not in self._said:
                 self._said.add(why)
                 self.log.warning("L2 canary: no check can be made: %s", why)
         except Exception as exc:  # noqa: BLE001 - the thread outlives any bug in one check

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from lmcache_loadback.orchestrator import LoadBackConfig
-from lmcache_loadback.orchestrator import l2_canary
+from lmcache_loadback.orchestrator import l2_canary, l2_marker
 from lmcache_loadback.orchestrator.instruments import product_metrics
 
 
@@ -21,9 +21,8 @@ def no_lmcache(monkeypatch):
 
 
 def test_keys_without_lmcache_name_the_install_and_the_off_switch(no_lmcache):
-    with pytest.raises(l2_canary._Verdict) as info:
-        l2_canary.object_keys("m", list(range(32)), "", 16, "blake3")
-    assert info.value.result == "unchecked" and info.value.once
+    with pytest.raises(l2_marker.KeysUnavailable) as info:
+        l2_marker.object_keys("m", list(range(32)), "", 16, "blake3")
     assert "pip install --no-deps lmcache==0.5.6" in str(info.value)
     assert "l2.canary_interval_ms: 0" in str(info.value)
 
@@ -34,7 +33,7 @@ def test_a_lasting_cause_is_logged_once_and_each_check_counted(no_lmcache, monke
                                 background=False)
 
     def keys_first(_cfg):  # the check as far as its keys: the daemon's part is not under test
-        l2_canary.object_keys("m", list(range(32)), "", 16, "blake3")
+        l2_marker.object_keys("m", list(range(32)), "", 16, "blake3")
 
     monkeypatch.setattr(canary, "_check", keys_first)
     with caplog.at_level(logging.DEBUG, logger=canary.log.name):
