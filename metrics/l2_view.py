@@ -30,9 +30,9 @@ class L2View:
                                       registry=reg)
         self.l2_fetch_seconds = Gauge("loadback_l2_fetch_seconds_per_chunk",
                                       "Moving estimate of the daemon's time to copy one chunk "
-                                      "from its L2 store, from answered LOOKUPs: a LOOKUP's "
-                                      "wait for L2 derives from it.", registry=reg,
-                                      multiprocess_mode="livemax")
+                                      "from its L2 store, from answered LOOKUPs (0: none "
+                                      "measured yet): a LOOKUP's wait for L2 derives from it.",
+                                      registry=reg, multiprocess_mode="livemax")
 
     def l2_state(self, stalled: bool) -> None:
         self.l2_state_gauge.set(1 if stalled else 0)
@@ -43,5 +43,6 @@ class L2View:
     def l2_fast_miss(self) -> None:
         self.l2_fast_misses.inc()
 
-    def l2_fetch_estimate(self, seconds_per_chunk: float) -> None:
-        self.l2_fetch_seconds.set(seconds_per_chunk)
+    def l2_fetch_estimate(self, seconds_per_chunk: float | None) -> None:
+        """None (not measured yet) reads 0."""
+        self.l2_fetch_seconds.set(seconds_per_chunk or 0.0)

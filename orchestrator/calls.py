@@ -123,17 +123,17 @@ class PrefixCalls:
                ) -> tuple[int, DegradeReason | None]:
         """LOOKUP: the daemon answers within `call_s`; while it says its prefetch from L2
         runs, the wait goes on up to `wait_s` in all (`L2Wait`)."""
-        budget_s = max(call_s, wait_s)
-        deadline = self.clock() + budget_s
+        start = self.clock()
+        call_end, wait_end = start + call_s, start + max(call_s, wait_s)
 
-        def attempt() -> int:
-            left = deadline - self.clock()
+        def attempt() -> int:  # retried only within call_s: the wait is for L2 alone
+            left = call_end - self.clock()
             if left <= 0:
-                raise DaemonTimeout("lookup", budget_s)
-            return self._send_lookup(p, min(left, call_s), left)
+                raise DaemonTimeout("lookup", call_s)
+            return self._send_lookup(p, left, wait_end - self.clock())
 
         try:
-            hit = run_with_retries(attempt, self.link.config.retries, budget_s, clock=self.clock,
+            hit = run_with_retries(attempt, self.link.config.retries, call_s, clock=self.clock,
                                    sleep=self.sleep,
                                    before_retry=lambda _s: self.metrics.retry("lookup"))
         except ConnectorError as exc:

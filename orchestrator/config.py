@@ -127,10 +127,10 @@ class L2(_Section):
     max_wait_ms: _ms("the longest wait for L2, in milliseconds") = 500.0
     # a LOOKUP waits at most this many times the fetch its prefix is expected to take
     wait_slack: Annotated[float, Meta(ge=1, description="a factor, at least 1")] = 3.0
-    # the store's fetch speed assumed until LOOKUPs have measured one (per chunk, moving)
-    initial_fetch_gbps: Annotated[float, Meta(
-        gt=0, description="L2 fetch speed assumed until one is measured")] = 0.5
-    fetch_ema_alpha: _Ratio = 0.2    # weight of a slower sample; a faster one weighs a quarter
+    # the fetch time per chunk is measured by LOOKUPs (the first answered one sets it; until
+    # then only break-even and max_wait_ms bound a wait): the weight of a slower sample, a
+    # faster one weighs a quarter
+    fetch_ema_alpha: _Ratio = 0.2
     # LOOKUPs in a row whose prefetch was still running past its expected fetch: L2 stalled
     stall_after: Annotated[int, Meta(ge=1, description="LOOKUPs in a row")] = 2
     probe_interval_ms: _ms("milliseconds between probes of a stalled L2") = 500.0

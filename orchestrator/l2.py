@@ -63,7 +63,7 @@ class L2Health:
         #: Called when the store stalls: the heartbeat wakes to time its first probe.
         self.on_stall: Callable[[], None] | None = None
         metrics.l2_state(False)
-        metrics.l2_fetch_estimate(self.wait.per_chunk_s)
+        metrics.l2_fetch_estimate(self.wait.per_chunk_s)  # None: not measured, 0
 
     @property
     def policy(self) -> L2:

@@ -91,7 +91,7 @@ class DaemonLink(DebtBook):
         self._identity: FleetIdentity | None = None  # made at the first daemon with an L2
         #: The daemon's L2 store as its LOOKUPs show it; probed from the heartbeat.
         layout = connector.layout
-        self.l2 = L2Health(L2Wait(config.l2, layout.chunk_size, layout.chunk_bytes, break_even
+        self.l2 = L2Health(L2Wait(config.l2, layout.chunk_size, break_even
                                   or BreakEvenGuard(config.break_even, layout.bytes_per_token)),
                            metrics, self.states, breaker.clock, connector.endpoint)
         self.l2.on_stall = self.wake

@@ -256,30 +256,32 @@ class L2Wait:
 
     Past `pays` even a full hit costs more than recomputing at once; past `wait_slack`
     times the expected fetch a store that still has not delivered is more likely stalled
-    than slow. The wait only ever lengthens past `lookup` while the daemon answers that its
-    prefetch is still running, so a daemon without L2, or a hung one, is bounded by
+    than slow. Until a LOOKUP has measured the store, `fetch` is unknown and only `pays`
+    and `max_wait` bound the wait (a guess from bytes alone was far off for small chunks:
+    their round trips, not their bytes, take the time, and the first fetch of a daemon is
+    its slowest). The wait only ever lengthens past `lookup` while the daemon answers that
+    its prefetch is still running, so a daemon without L2, or a hung one, is bounded by
     `lookup` as before, and an L1 hit answered at once is not slowed.
 
     The estimate learns from every answered LOOKUP with a hit: its time until the prefetch
-    status answered, per chunk found. The daemon's answer does not say how many of those
-    chunks its own memory already held, and those come faster: a sample above the estimate
-    weighs `fetch_ema_alpha`, one below a quarter of that, so the estimate follows the
-    store's rate rather than memory hits'. A LOOKUP whose prefetch outlived its wait is a
-    lower bound on the rate (counted the same way when above)."""
+    status answered, per chunk found (the first such LOOKUP sets it). The daemon's answer
+    does not say how many of those chunks its own memory already held, and those come
+    faster: a sample above the estimate weighs `fetch_ema_alpha`, one below a quarter of
+    that, so the estimate follows the store's rate rather than memory hits'. A LOOKUP whose
+    prefetch outlived its wait is a lower bound on the rate (counted the same way when
+    above an estimate already made)."""
 
     policy: L2
     chunk_size: int
-    chunk_bytes: int
     break_even: BreakEvenGuard
-    per_chunk_s: float = 0.0
+    #: Seconds per chunk; None until an answered LOOKUP measured the store.
+    per_chunk_s: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def __post_init__(self) -> None:
-        self.per_chunk_s = self.chunk_bytes / (self.policy.initial_fetch_gbps * 1e9)
-
-    def fetch_s(self, chunks: int) -> float:
-        """The expected time for the daemon to copy `chunks` from L2."""
-        return chunks * self.per_chunk_s
+    def fetch_s(self, chunks: int) -> float | None:
+        """The expected time for the daemon to copy `chunks` from L2 (None: not measured)."""
+        per_chunk = self.per_chunk_s
+        return None if per_chunk is None else chunks * per_chunk
 
     def wait_s(self, num_tokens: int, local_tokens: int, lookup_s: float) -> float:
         """The LOOKUP's wait for a prompt of `num_tokens`, `local_tokens` of them in the
@@ -292,9 +294,10 @@ class L2Wait:
         pays = recompute - self.break_even.load_seconds(tokens)
         cap = p.max_wait_ms / 1000
         fetch = self.fetch_s(chunks)
-        if cap <= lookup_s or fetch >= pays:
+        if cap <= lookup_s or (fetch is not None and fetch >= pays):
             return lookup_s
-        return max(lookup_s, min(cap, pays, p.wait_slack * fetch))
+        slack = math.inf if fetch is None else p.wait_slack * fetch
+        return max(lookup_s, min(cap, pays, slack))
 
     def answered(self, chunks_hit: int, elapsed_s: float) -> None:
         """A LOOKUP's prefetch answered `chunks_hit` chunks after `elapsed_s`."""
@@ -304,19 +307,25 @@ class L2Wait:
     def outlived(self, chunks: int, waited_s: float) -> bool:
         """A LOOKUP of `chunks` whose prefetch was still running after `waited_s`: True
         when it waited at least the fetch the estimate expected (evidence of a stalled
-        store, not of a wait cut short by break-even or the cap)."""
+        store, not of a wait cut short by break-even or the cap); True while nothing was
+        measured (then only the cap or break-even ended it)."""
         if chunks <= 0:
             return False
         expected = self.fetch_s(chunks)
         self._learn(waited_s / chunks, slower_only=True)
-        return waited_s >= expected
+        return expected is None or waited_s >= expected
 
     def _learn(self, sample: float, *, slower_only: bool) -> None:
         if not math.isfinite(sample) or sample <= 0:
             return
         with self._lock:
-            slower = sample > self.per_chunk_s
+            now = self.per_chunk_s
+            if now is None:
+                if not slower_only:  # a lower bound alone (a hung store) is no rate
+                    self.per_chunk_s = sample
+                return
+            slower = sample > now
             if not slower and slower_only:
                 return
             a = self.policy.fetch_ema_alpha * (1.0 if slower else 0.25)
-            self.per_chunk_s = (1 - a) * self.per_chunk_s + a * sample
+            self.per_chunk_s = (1 - a) * now + a * sample

@@ -13,8 +13,9 @@ Per size and contender: hits, the LOOKUP's time (match), the time until the KV i
 slots for hits (match + load_back), and the time until the KV is ready for every request, a
 miss paying its LOOKUP plus recomputing the prefix at `PREFILL_TOKENS_PER_S` (modelled: this
 bench has no engine). With the default prefetch policy B copies from L2 again at every
-LOOKUP, so each contender pays its own fetch. The store-stall detection is switched off
-(`l2.stall_after` 10**6): the wait alone is measured. Exit 1 when break-even hits fewer
+LOOKUP, so each contender pays its own fetch; a LOOKUP given up on goes on copying on the
+daemon, so the next request starts only once it is released (untimed). The store-stall
+detection is switched off (`l2.stall_after` 10**6): the wait alone is measured. Exit 1 when break-even hits fewer
 prefixes than the fixed 50 ms deadline at some size, or the unlimited wait misses any (the
 set-up is broken), else 0. Bounded: at most `BUDGET_S` of traffic after start-up.
 """
@@ -219,6 +220,9 @@ def _request(orch: LoadBackOrchestrator, name: str, toks: list[int], rid: str) -
     elif found.tokens:
         why = f"short_{found.tokens}"
     orch.finish(rid)
+    # A LOOKUP given up on still copies from L2 on the daemon: the next contender's LOOKUP
+    # of the same prefix must not share the store with it (its abandon is paid once done).
+    _until(lambda: orch.pending_debts() == 0, 30, f"{name}'s releases paid")
     return Sample(n, name, t1 - t0, load_s, "" if load_s is not None else why)
 
 
