@@ -341,6 +341,9 @@ def print_results(results: list[Result]) -> None:
             print(f"  {r.name}: counter mismatch: {m}")
         if r.leaked:
             print(f"  {r.name}: leaks: {r.leaks}")
+            if r.extra.get("given_up"):
+                print(f"  {r.name}: owed releases given up unpaid (left to the daemon's TTL): "
+                      f"{r.extra['given_up']}")
         d = r.worst_judged_detail
         if r.hung and d:
             print(f"  {r.name}: the call judged most late, {d.get('engine', '')} {d['op']}, {d['took_ms']:.1f} ms against a "

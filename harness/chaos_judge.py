@@ -250,23 +250,38 @@ class EngineReport:
     errors_seen: dict[str, int] = field(default_factory=dict)
     #: What its metrics say of the L2 store (`L2_SIGNALS`), the zeros left out.
     l2_signals: dict[str, int] = field(default_factory=dict)
+    #: Owed releases it gave up unpaid, by kind (`loadback_releases_failed_total`): what
+    #: they would have released stays on the daemon until its TTL.
+    given_up: dict[str, int] = field(default_factory=dict)
 
 
 def report_of(lane, leaks: dict[str, int], *, max_debts: int = 0,
               errors_seen: dict[str, int] | None = None) -> EngineReport:
     """An in-process lane's report, once its leaks were counted."""
+    snapshot = lane.orch.metrics.snapshot()
+    failed = "loadback_releases_failed_total{what="
     return EngineReport(lane.name, lane.index, lane.engine.tally,
                         reconcile(lane.orch, lane.engine), leaks,
                         late_replies=lane.conn.late_replies, max_debts=max_debts,
                         dead=sorted(dead_threads([lane], engines_alive=False)),
                         error=lane.error, errors_seen=dict(errors_seen or {}),
-                        l2_signals=l2_signals(lane.orch.metrics.snapshot()))
+                        l2_signals=l2_signals(snapshot),
+                        given_up={k[len(failed):-1]: int(v) for k, v in snapshot.items()
+                                  if k.startswith(failed) and v} | _canary_owes(lane))
+
+
+def _canary_owes(lane) -> dict[str, int]:
+    """The engine's L2 canary, closed, still owing a timed-out LOOKUP's release."""
+    canary = getattr(lane.orch, "l2_canary", None)
+    return {"l2_canary_lookup": 1} if canary is not None and canary.owes_release else {}
 
 
 #: The series that tell an operator about the L2 store, by the name the verdict gives them:
-#: the canary's checks by result, the stalls found and the misses they answered at once.
+#: the canary's checks by result, the stalls found and the misses they answered at once, and
+#: whether the store was still found stalled when the engine reported (summed: engines).
 L2_SIGNALS = {"canary ": "loadback_l2_canary_checks_total{result=",
-              "stalls": "loadback_l2_stalls_total", "fast misses": "loadback_l2_fast_misses_total"}
+              "stalls": "loadback_l2_stalls_total", "fast misses": "loadback_l2_fast_misses_total",
+              "stalled at the end": "loadback_l2_state"}
 
 
 def l2_signals(snapshot: dict[str, float]) -> dict[str, int]:
@@ -352,6 +367,7 @@ def _extra(reports: list[EngineReport], proxy: FaultProxy | None, played: Played
             "proxy": proxy.stats if proxy is not None else {},
             "rounds": played.rounds, "hung_engines": played.hung_engines,
             "engine_errors": {r.name: r.error for r in reports if r.error},
+            "given_up": dict(sum((Counter(r.given_up) for r in reports), Counter())),
             "per_engine": [{"name": r.name, "requests": r.tally.requests,
                             "loaded": r.tally.loaded,
                             "loaded_from_others": r.tally.loaded_from_others,

@@ -127,6 +127,11 @@ class L2Canary:
         finally:
             self._release()
 
+    @property
+    def owes_release(self) -> bool:
+        """A check's LOOKUP timed out and is not released yet (a close could not settle it)."""
+        return self._owed is not None
+
     def close(self, timeout_s: float) -> None:
         """Stop the thread, which unregisters as it ends (a check in progress ends within
         its deadline; past `timeout_s` it is left to finish on its own)."""

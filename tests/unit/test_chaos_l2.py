@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from lmcache_loadback.harness.chaos_judge import l2_signals
 from lmcache_loadback.harness.chaos_l2 import RoundSamples, _calls
 from lmcache_loadback.harness.chaos_scenario import Scenario, load_scenarios
 
@@ -54,3 +55,12 @@ def test_scenario_l2_selects_every_shipped_l2_scenario_and_only_those():
     l2 = [s.name for s in load_scenarios("l2")]
     assert l2 and all(name.startswith("l2_") for name in l2)
     assert {s.name for s in load_scenarios("all") if s.l2 is not None} == set(l2)
+
+
+def test_l2_signals_name_what_the_engines_metrics_said_of_the_store():
+    snapshot = {"loadback_l2_canary_checks_total{result=ok}": 3.0,
+                "loadback_l2_canary_checks_total{result=lost}": 0.0,
+                "loadback_l2_stalls_total": 2.0, "loadback_l2_fast_misses_total": 40.0,
+                "loadback_l2_state": 1.0, "loadback_lookups_total{result=hit}": 9.0}
+    assert l2_signals(snapshot) == {"canary ok": 3, "stalls": 2, "fast misses": 40,
+                                    "stalled at the end": 1}
