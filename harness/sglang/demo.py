@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmcache_loadback.connectors.ports import free_port
 from lmcache_loadback.testing.daemon import DaemonProcess
 
 from lmcache_loadback.harness.bench.common import median, percentile
@@ -152,6 +153,15 @@ def _control(daemon: DaemonProcess, res: SideResult, t0: float, duration_s: floa
     res.restart_s = time.monotonic() - t0
 
 
+def side_daemon(ours: bool, *, chunk_size: int, work: Path) -> DaemonProcess:
+    """A side's daemon (not started): ours as the README starts it, with a shared-memory pool
+    of its own name (one per daemon on a host); upstream's as LMCache documents it for a CPU
+    engine, KV pickled in the replies."""
+    port = free_port()
+    return DaemonProcess(port=port, chunk_size=chunk_size, log_dir=str(work),
+                         shm_name=f"loadback-demo-{port}" if ours else None)
+
+
 def run_side(side: str, *, python: str, duration_s: float, interval_ms: float,
              deadline_s: float, mq_timeout_s: float, work: Path, probe: bool = False,
              progress=print) -> SideResult:
@@ -163,7 +173,7 @@ def run_side(side: str, *, python: str, duration_s: float, interval_ms: float,
     plus at most one deadline, and a stop (server by process group, daemon by PID). A side
     that cannot run is reported, not raised."""
     res = SideResult(side)
-    daemon = DaemonProcess(chunk_size=CHUNK, log_dir=str(work))
+    daemon = side_daemon(side == "ours", chunk_size=CHUNK, work=work)
     daemon.start()
     server = _server(side, daemon, res, python=python, mq_timeout_s=mq_timeout_s, work=work,
                      probe=probe)

@@ -24,8 +24,7 @@ from lmcache_loadback.harness.bench.common import median, percentile
 # the same kill/restart schedule as the SGLang demo (KILL_AT, RESTART_AT of the window)
 from lmcache_loadback.harness.sglang.demo import KILL_AT, RESTART_AT
 from lmcache_loadback.harness.sglang.demo import SideResult as _SGLangSide
-from lmcache_loadback.harness.sglang.demo import _control
-from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.harness.sglang.demo import _control, side_daemon
 
 from .server import VLLMServer, kv_transfer_config, metric_value
 
@@ -106,7 +105,7 @@ def run_side(side: str, *, duration_s: float, work: Path) -> SideResult:
     """One side with its own daemon and server; everything it starts it stops."""
     res = SideResult(side)
     work.mkdir(parents=True, exist_ok=True)
-    daemon = DaemonProcess(chunk_size=CHUNK, log_dir=str(work)).start()
+    daemon = side_daemon(side == "loadback", chunk_size=CHUNK, work=work).start()
     server = VLLMServer(free_port(), str(work / "vllm.log"),
                         kv_config=_kv_config(side, work, daemon.port))
     try:
