@@ -164,8 +164,9 @@ class Fleet:
         return True
 
     def counts(self) -> dict[str, float]:
-        """Ours: LOOKUPs by result and prefixes degraded by reason, summed over both servers'
-        /metrics ({} for upstream, which has none)."""
+        """Ours: LOOKUPs by result, prefixes degraded by reason, L2 stalls found and the fast
+        misses they gave, summed over both servers' /metrics ({} for upstream, which has
+        none)."""
         out: dict[str, float] = {}
         if self.side != "ours":
             return out
@@ -177,6 +178,10 @@ class Fleet:
             rows += [(f"degraded {lab['reason']}", v)
                      for lab, v in samples.get("loadback_prefix_outcomes_total", [])
                      if lab.get("state") == "degraded"]
+            rows += [(name, v) for series, name in (("loadback_l2_stalls_total", "L2 stalled"),
+                                                    ("loadback_l2_fast_misses_total",
+                                                     "L2 fast misses"))
+                     for _, v in samples.get(series, [])]
             for key, v in rows:
                 out[key] = out.get(key, 0.0) + v
         return out
@@ -321,12 +326,12 @@ def print_table(summaries: dict[str, dict]) -> None:
                 "yes" if not p["outputs_differ"] else f"NO {p['outputs_differ']}")))
         line(label, cells)
     for label, cell in (
-            ("B hit its first request", lambda s: _yes(s["b_first_request_hit"])),
+            ("B hit its first request", lambda s: "yes" if s["b_first_request_hit"] else "no"),
             ("Redis back -> B's first hit (s)",
              lambda s: _num(s["phases"]["redis_back"]["recovery_s"])),
             ("daemon A back -> A's first hit (s)",
              lambda s: _num(s["phases"]["daemon_a_back"]["recovery_s"])),
-            ("daemons hold nothing when idle", lambda s: _yes(_idle(s))),
+            ("daemons hold nothing when idle", lambda s: "yes" if _idle(s) else "no"),
             ("side took (s)", lambda s: _num(s["seconds"]))):
         line(label, [cell(summaries[side]) for side in sides])
     for side in sides:
@@ -334,7 +339,8 @@ def print_table(summaries: dict[str, dict]) -> None:
                    for key, label in PHASES]
         if any(c for _, c in counted):
             print(f"\n{side}, both servers' /metrics per phase (loadback_lookups_total by "
-                  f"result, prefixes degraded by reason):")
+                  f"result, prefixes degraded by reason, loadback_l2_stalls_total and "
+                  f"loadback_l2_fast_misses_total):")
             for label, c in counted:
                 print(f"  {label:34} " + (", ".join(f"{k} {v:g}" for k, v in sorted(c.items()))
                                           or "-"))
@@ -350,10 +356,6 @@ def _idle(s: dict) -> bool:
 
 def _num(v) -> str:
     return "-" if v is None else f"{v:g}"
-
-
-def _yes(v: bool) -> str:
-    return "yes" if v else "no"
 
 
 def ours_ok(s: dict) -> bool:
