@@ -52,6 +52,7 @@ from .gpu_concurrency import (  # noqa: E402
 from .gpu_concurrency_steps import (  # noqa: E402
     CopiesStep,
     LMCacheStep,
+    Missed,
     OursStep,
     ReadyClock,
     Workload,
@@ -60,6 +61,8 @@ from .gpu_contenders import CHUNK, LAYOUT, make_pool  # noqa: E402
 
 #: Timed steps per cell (after the proof, which is also the warm-up).
 REPEATS = {"cuda": 7, "cpu": 3}
+#: Proof steps ours may take per cell: a step with a short match is not a proof of the bytes.
+PROOF_TRIES = 3
 #: LMCache's daemon tuned: workers in both its pools (shipped: 1 each). Its transfer pool is
 #: keyed by the client's socket, so one engine process's retrieves share one worker anyway;
 #: its CPU pool serves the LOOKUPs.
@@ -173,6 +176,9 @@ def _contenders(daemons, layout, dev, n_max, s_max, closers, dropped):
     closers.append(ours.close)
     ours.store()
     store_s[OURS] = time.perf_counter() - t0
+    tries, first = ours.warm(min(s_max, 4 * CHUNK))
+    print(f"ours: warm after {tries} one-request step(s)"
+          + (f"; the first missed: {first}" if first else ""), flush=True)
     piped = ours.sibling(PIPELINED_THREADS)
     closers.append(piped.close)
     contenders = {OURS: ours, PIPELINED: piped,
@@ -206,27 +212,41 @@ def _daemon_error(d: DaemonProcess) -> str:
 
 
 def _cell(contenders: dict, n: int, tokens: int, repeats: int, dropped: dict) -> dict:
-    """One (N, S) cell: each contender proven byte-exact (its first step, untimed), then
-    `repeats` timed steps each, contenders in turn (the order rotates every repeat)."""
+    """One (N, S) cell: each contender proven byte-exact (its first step, untimed; ours may
+    try PROOF_TRIES times), then `repeats` timed steps each, contenders in turn (the order
+    rotates every repeat). A step of ours in which a request came back short is not timed
+    and is counted in the row's `missed` (the run then exits 1)."""
     steps = {k: [] for k in contenders}
-    for k in list(contenders):
-        _attempt(contenders, k, dropped, f"proof at {n} x {tokens}: ",
-                 lambda c: c.prove(n, tokens))
-    names = list(contenders)
-    for rep in range(repeats):
-        for k in names[rep % len(names):] + names[:rep % len(names)]:
+    missed: dict[str, list[str]] = {}
+
+    def attempt(k, where, fn, tries=1):
+        for _ in range(tries):
+            try:
+                return _attempt(contenders, k, dropped, where, fn), True
+            except Missed as exc:
+                missed.setdefault(k, []).append(f"{where}{exc}")
+        return None, False
+
+    proven = [k for k in list(contenders)
+              if attempt(k, f"proof at {n} x {tokens}: ", lambda c: c.prove(n, tokens),
+                         PROOF_TRIES)[1] and k in contenders]
+    for rep in range(repeats if proven else 0):
+        for k in proven[rep % len(proven):] + proven[:rep % len(proven)]:
             if k in contenders:
-                got = _attempt(contenders, k, dropped, f"timing at {n} x {tokens}: ",
-                               lambda c: c.step(n, tokens))
+                got, _ = attempt(k, f"timing at {n} x {tokens}: ", lambda c: c.step(n, tokens))
                 if got is not None:
                     steps[k].append(got)
     # when the step's last match was answered (ours: in AsyncLookups; LMCache: lookup_kv)
-    extra = {k: {"matched_ms": median(c.matched_s[-repeats:]) * 1e3}
-             for k, c in contenders.items() if getattr(c, "matched_s", None)}
+    extra = {k: {"matched_ms": median(c.matched_s[-len(steps[k]):]) * 1e3}
+             for k, c in contenders.items() if getattr(c, "matched_s", None) and steps.get(k)}
     row = cell_row(n, tokens, {k: v for k, v in steps.items() if v and k in contenders}, extra)
+    row["missed"] = {k: {"steps": len(v), "first": v[0]} for k, v in missed.items()}
+    ours = row["contenders"].get(OURS, {})
     print(f"{n} x {size_label(tokens)}: " + ", ".join(
         f"{k} {fmt(m['makespan_ms'])} ms" for k, m in row["contenders"].items())
-        + f"; bound/ours {fmt(row['contenders'][OURS].get('bound_ratio'), 3)}", flush=True)
+        + f"; bound/ours {fmt(ours.get('bound_ratio'), 3)}"
+        + "".join(f"; {k} missed {len(v)} step(s): {v[0]}" for k, v in missed.items()),
+        flush=True)
     return row
 
 
@@ -264,6 +284,8 @@ def _report(rows, contenders, dev, layout: KVLayout, repeats: int) -> dict:
 def verdict(result: dict) -> tuple[int, list[str]]:
     """The exit code of a finished run and the lines that say why it is not 0."""
     why = [f"contender dropped: {k}: {reason}" for k, reason in result["dropped"].items()]
+    why += [f"{k} missed {m['steps']} step(s) at {r['n']} x {size_label(r['tokens'])}: "
+            f"{m['first']}" for r in result.get("rows", []) for k, m in r.get("missed", {}).items()]
     why += [f"target missed: {k} = {fmt(result.get(k), 3)}, target >= {TARGETS[k]}"
             for k, ok in result["targets_met"].items() if not ok]
     return (EXIT_FAILED if why else EXIT_OK), why

@@ -96,6 +96,10 @@ def test_verdict_names_each_drop_and_each_missed_target():
            "targets_met": {"conc_bound_ratio": True, "conc_vs_lmcache": False}}
     assert verdict(bad) == (1, ["contender dropped: lmcache-p256: setup: boom",
                                 "target missed: conc_vs_lmcache = 1.100, target >= 1.2"])
+    short = {**ok, "rows": [{"n": 8, "tokens": 4096, "missed": {"ours": {
+        "steps": 2, "first": "timing at 8 x 4096: 1 of 8 requests got less"}}}]}
+    assert verdict(short) == (1, ["ours missed 2 step(s) at 8 x 4k: timing at 8 x 4096: 1 of "
+                                  "8 requests got less"])
 
 
 def test_the_byte_exact_check_names_a_request_whose_bytes_differ():
