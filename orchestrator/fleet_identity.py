@@ -14,6 +14,14 @@ its own salt and tiny layout, so it never touches the engine's layout registrati
 - misses it: stores this engine's layout, which the fleet's later engines are held to.
 An L2 that does not answer leaves it unchecked (checked again at the next registration).
 The same keys need the same chunk size and hash algorithm, which the link checks first.
+
+A LOOKUP of the record that outlives the check (the daemon still copying from, or checking,
+a slow or dead store) is the daemon's until its status is read: lmcache 0.5.6 keeps the
+prefetch job, the session and, once it ends, the read lock on the record's chunk with no
+TTL on the job. So it is owed through the link's debts, as an engine's abandoned LOOKUP
+is (its status read once its prefetch ended, then its locks freed and its session ended),
+on the one connector this check keeps registered for the link's life: the daemon names
+what the LOOKUP locked from the layout registered under the record's model name.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import logging
 import os
 import struct
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -37,6 +46,8 @@ log = logging.getLogger("loadback")
 __all__ = ["FleetIdentity", "describe_layout"]
 
 IDENTITY_SALT = "loadback-fleet-identity"
+#: Owes the daemon a release (`DebtBook.owe`).
+Owe = Callable[..., None]
 _LEN = struct.Struct("<I")
 
 
@@ -54,29 +65,39 @@ class _Record:
 
 
 class FleetIdentity:
-    """Called by the daemon link on its heartbeat thread, at a registration; no state of its
-    own crosses threads (each call makes and closes its own connector)."""
+    """`refusal` is called by the daemon link on its heartbeat thread, at a registration;
+    `close` on the closing thread, after the link's debts were settled. The debts it owes
+    run on the link's releaser thread through the same connector (one socket per calling
+    thread, so nothing else of it is shared)."""
 
     def __init__(self, endpoint: str, model_name: str, world_size: int, layout: KVLayout,
-                 *, connect_timeout_s: float) -> None:
+                 *, connect_timeout_s: float, owe: Owe, hold: Callable[[], bool]) -> None:
         self.endpoint = endpoint
         self.model_name = model_name
         self.world_size = world_size
         self.layout = describe_layout(layout)
         self.connect_timeout_s = connect_timeout_s
         self._marker_model = f"loadback-identity.{model_name}.w{world_size}"
+        #: Owes the daemon a release (the link's `owe`), and whether such a release must
+        #: not be tried now (the link's L2 store stalled: the prefetch cannot end yet).
+        self._owe = owe
+        self._hold = hold
+        self._conn: LMCacheMPConnector | None = None
+        #: Checks made: each LOOKUP gets a request id of its own (the daemon keys a
+        #: prefetch job by it, and a reused id replaces a job still owed).
+        self._checks = 0
 
-    def refusal(self, chunk_size: int, timeout_s: float) -> str | None:
+    def refusal(self, chunk_size: int, timeout_s: float, epoch: int) -> str | None:
         """What to change when the fleet's record names another layout for this model name,
-        else None (matched, written now, or not checked: L2 did not answer)."""
-        conn = LMCacheMPConnector(self.endpoint, KVLayout(**MARKER_LAYOUT, chunk_size=chunk_size),
-                                  model_name=self._marker_model, transfer="pickle",
-                                  connect_timeout_s=self.connect_timeout_s)
+        else None (matched, written now, or not checked: L2 did not answer). `epoch`: the
+        daemon incarnation the link checks, which a release owed from here belongs to."""
+        conn = self._connector(chunk_size)
         toks = list(range(1, chunk_size + 1))  # one chunk; the model name and salt are the key
-        rid = f"loadback-identity-{os.getpid()}-{id(conn)}"
+        self._checks += 1
+        rid = f"loadback-identity-{os.getpid()}-{self._checks}"
         try:
             conn.register(timeout_s)
-            record = self._read(conn, toks, rid, timeout_s)
+            record = self._read(conn, toks, rid, timeout_s, epoch)
             if record is None:
                 self._write(conn, toks, rid, timeout_s)
                 log.info("fleet identity: model name %r (world size %d) recorded in L2 as %s",
@@ -86,12 +107,6 @@ class FleetIdentity:
             log.warning("fleet identity of model name %r not checked (%s): checked again at "
                         "the next registration", self.model_name, exc)
             return None
-        finally:
-            try:
-                conn.unregister(timeout_s)
-            except ConnectorError:
-                pass  # the daemon's reaper ends it
-            conn.close()
         if record.layout == self.layout:
             return None
         return (f"model_name {self.model_name!r} (world size {self.world_size}) is used in this "
@@ -100,16 +115,36 @@ class FleetIdentity:
                 "layout, so they would read each other's chunks as their own; give this engine "
                 "a model_name of its own (every engine of one layout the same)")
 
-    def _read(self, conn: LMCacheMPConnector, toks: list[int], rid: str, timeout_s: float
-              ) -> _Record | None:
+    def close(self, timeout_s: float) -> None:
+        """The link closes: unregister the record's model name (when `timeout_s` is left
+        for it) and close the connector."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if timeout_s > 0:
+            try:
+                conn.unregister(timeout_s)
+            except ConnectorError:
+                pass  # the daemon's reaper ends it
+        conn.close()
+
+    def _connector(self, chunk_size: int) -> LMCacheMPConnector:
+        if self._conn is not None and self._conn.chunk_size != chunk_size:
+            self.close(0.0)  # another daemon: what the old one was owed went with it
+        if self._conn is None:
+            self._conn = LMCacheMPConnector(
+                self.endpoint, KVLayout(**MARKER_LAYOUT, chunk_size=chunk_size),
+                model_name=self._marker_model, transfer="pickle",
+                connect_timeout_s=self.connect_timeout_s)
+        return self._conn
+
+    def _read(self, conn: LMCacheMPConnector, toks: list[int], rid: str, timeout_s: float,
+              epoch: int) -> _Record | None:
         n = len(toks)
         try:
             hit = conn.lookup_hit_tokens(toks, rid, timeout_s, cache_salt=IDENTITY_SALT)
         except DaemonTimeout:
-            try:  # release what it may yet lock; else its TTL does
-                conn.abandon_lookup(toks, rid, timeout_s, cache_salt=IDENTITY_SALT)
-            except ConnectorError:
-                pass
+            self._owe_lookup(conn, toks, rid, epoch)
             raise
         try:
             if hit < n:
@@ -122,6 +157,20 @@ class FleetIdentity:
         finally:
             _end(conn, rid, timeout_s)
         return _decode(pool, n)
+
+    def _owe_lookup(self, conn: LMCacheMPConnector, toks: list[int], rid: str,
+                    epoch: int) -> None:
+        """The record's LOOKUP `rid` outlived the check: owe its abandon (once the daemon
+        answered every call of it and its prefetch ended; re-registering first, so the
+        daemon still knows the record's layout should it have reaped this silent worker),
+        then its session's end."""
+        def abandon(t: float) -> bool:
+            conn.register(t)
+            return conn.abandon_lookup(toks, rid, t, cache_salt=IDENTITY_SALT)
+
+        self._owe("abandon_lookup", rid, epoch, abandon, idempotent=True,
+                  ready=lambda: conn.unanswered(rid) == 0, hold=self._hold)
+        self._owe("end_session", rid, epoch, lambda t: conn.end_session(rid, t))
 
     def _write(self, conn: LMCacheMPConnector, toks: list[int], rid: str, timeout_s: float
                ) -> None:

@@ -211,8 +211,10 @@ class DaemonLink(DebtBook):
             c = self.connector
             self._identity = FleetIdentity(
                 self._endpoint, c.model_name, c.world_size, c.layout,
-                connect_timeout_s=self.config.deadlines.connect_ms / 1000)
-        why = self._identity.refusal(settings.chunk_size, self.config.l2.canary_deadline_ms / 1000)
+                connect_timeout_s=self.config.deadlines.connect_ms / 1000, owe=self.owe,
+                hold=lambda: self.l2.stalled)
+        why = self._identity.refusal(settings.chunk_size, self.config.l2.canary_deadline_ms / 1000,
+                                     self.connector.epoch)
         return None if why is None else ("model_name", why)
 
     def suspect(self) -> None:
@@ -378,9 +380,14 @@ class DaemonLink(DebtBook):
             poll = min(max(poll * 2, READY_POLL_MIN_S), READY_POLL_MAX_S) if waiting else 0.0
 
     def close_out(self) -> None:
-        """close(): a probe of the L2 store still on the daemon is owed too; then settle."""
+        """close(): a probe of the L2 store still on the daemon is owed too; then settle,
+        and unregister the fleet identity's marker once what it was owed is settled."""
         self.l2.close(self.connector, self.owe)
         super().close_out()
+        if self._identity is not None:
+            budget = self._closing
+            self._identity.close(budget.timeout(self.control_s)
+                                 if budget is not None and budget.goes_on() else 0.0)
 
     def stop_threads(self) -> None:
         """Stop both threads; from here on, releases run inline."""

@@ -234,6 +234,48 @@ def test_a_daemon_hashing_otherwise_than_the_fleet_is_refused(fleet_one_redis):
     _assert_idle(a)
 
 
+def test_an_identity_lookup_outliving_its_check_is_released_once_the_store_answers(
+        fleet_one_redis):
+    """The identity check's LOOKUP of the fleet's record waits on the L2 store (lmcache
+    0.5.6 checks the store for every chunk, those in its own memory too). The store hung
+    past the check's budget: the check gives up, and the daemon still runs the LOOKUP's
+    prefetch (its job, its session, the read lock on the record's chunk), which it keeps
+    with no TTL on the job until its status is read. Once the store answers, the link pays
+    what it owes for it: the daemon holds nothing."""
+    shared, a, _, _, _ = fleet_one_redis
+    orch = _engine(a, LAYOUT, f"fleet-slow-{time.monotonic_ns()}", canary_deadline_ms=300)
+    try:
+        keys = shared.dbsize()
+        orch.tick()  # the first engine of this model name records its layout
+        assert orch.link.registered() and orch.link.refused is None
+        end = time.monotonic() + 5
+        while shared.dbsize() == keys and time.monotonic() < end:  # L2 writes are async
+            time.sleep(0.01)
+        assert shared.dbsize() > keys, "the identity record never reached redis"
+        shared.pause()
+        try:
+            orch.link.suspect()
+            orch.tick()  # re-registers: the check's LOOKUP outlives its 300 ms on the hung store
+            assert orch.link.registered()  # an unchecked identity never blocks a registration
+            held = a.held()
+            assert (held["prefetch_jobs"], held["sessions"]) == (1, 1), held
+        finally:
+            shared.resume()
+        # Each tick tries the abandon once (20 tries a debt): paced, not spun.
+        end = time.monotonic() + 15
+        while orch.link.pending() and time.monotonic() < end:
+            orch.tick()
+            time.sleep(0.05)
+        held = a.held()
+        assert {k: held[k] for k in ("read_locks", "sessions", "prefetch_jobs")} == {
+            "read_locks": 0, "sessions": 0, "prefetch_jobs": 0}, held
+        assert not any(v for k, v in orch.metrics.snapshot().items()
+                       if k.startswith("loadback_releases_failed_total"))
+    finally:
+        orch.close()
+    _assert_idle(a)  # the identity's registration too, ended at close
+
+
 def test_fleet_check_names_stores_that_never_reach_l2(fleet_one_redis, capsys):
     # Last of the module's users: the shared redis restarts, and resp never reconnects.
     shared, a, b, _, _ = fleet_one_redis
