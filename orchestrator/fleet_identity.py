@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import struct
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,6 +49,10 @@ __all__ = ["FleetIdentity", "describe_layout"]
 IDENTITY_SALT = "loadback-fleet-identity"
 #: Owes the daemon a release (`DebtBook.owe`).
 Owe = Callable[..., None]
+#: An owed abandon of the record's LOOKUP is tried again this long after its prefetch was
+#: still running, doubling up to the max: its 20 tries span about half a minute.
+ABANDON_RETRY_S = 0.05
+ABANDON_RETRY_MAX_S = 2.0
 _LEN = struct.Struct("<I")
 
 
@@ -64,6 +69,28 @@ class _Record:
     written_through: str
 
 
+class _Paced:
+    """When an owed abandon whose prefetch still ran is tried again: ABANDON_RETRY_S after,
+    doubling up to ABANDON_RETRY_MAX_S. Each "still running" spends one of the debt's tries,
+    and the link's releaser passes whenever any debt is queued (many a second under
+    traffic): unpaced, the tries were spent within a second of a prefetch that took 14 s.
+    The releaser's thread only."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.waits = 0
+        self.until = float("-inf")
+
+    def early(self) -> bool:
+        return self.clock() < self.until
+
+    def ran(self, done: bool) -> bool:
+        if not done:
+            self.until = self.clock() + min(ABANDON_RETRY_MAX_S, ABANDON_RETRY_S * 2 ** self.waits)
+            self.waits += 1
+        return done
+
+
 class FleetIdentity:
     """`refusal` is called by the daemon link on its heartbeat thread, at a registration;
     `close` on the closing thread, after the link's debts were settled. The debts it owes
@@ -71,7 +98,8 @@ class FleetIdentity:
     thread, so nothing else of it is shared)."""
 
     def __init__(self, endpoint: str, model_name: str, world_size: int, layout: KVLayout,
-                 *, connect_timeout_s: float, owe: Owe, hold: Callable[[], bool]) -> None:
+                 *, connect_timeout_s: float, owe: Owe, hold: Callable[[], bool],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.endpoint = endpoint
         self.model_name = model_name
         self.world_size = world_size
@@ -82,6 +110,7 @@ class FleetIdentity:
         #: not be tried now (the link's L2 store stalled: the prefetch cannot end yet).
         self._owe = owe
         self._hold = hold
+        self._clock = clock
         self._conn: LMCacheMPConnector | None = None
         #: Checks made: each LOOKUP gets a request id of its own (the daemon keys a
         #: prefetch job by it, and a reused id replaces a job still owed).
@@ -164,12 +193,15 @@ class FleetIdentity:
         answered every call of it and its prefetch ended; re-registering first, so the
         daemon still knows the record's layout should it have reaped this silent worker),
         then its session's end."""
+        paced = _Paced(self._clock)
+
         def abandon(t: float) -> bool:
             conn.register(t)
-            return conn.abandon_lookup(toks, rid, t, cache_salt=IDENTITY_SALT)
+            return paced.ran(conn.abandon_lookup(toks, rid, t, cache_salt=IDENTITY_SALT))
 
         self._owe("abandon_lookup", rid, epoch, abandon, idempotent=True,
-                  ready=lambda: conn.unanswered(rid) == 0, hold=self._hold)
+                  ready=lambda: conn.unanswered(rid) == 0,
+                  hold=lambda: self._hold() or paced.early())
         self._owe("end_session", rid, epoch, lambda t: conn.end_session(rid, t))
 
     def _write(self, conn: LMCacheMPConnector, toks: list[int], rid: str, timeout_s: float

@@ -212,7 +212,7 @@ class DaemonLink(DebtBook):
             self._identity = FleetIdentity(
                 self._endpoint, c.model_name, c.world_size, c.layout,
                 connect_timeout_s=self.config.deadlines.connect_ms / 1000, owe=self.owe,
-                hold=lambda: self.l2.stalled)
+                hold=lambda: self.l2.stalled, clock=self.breaker.clock)
         why = self._identity.refusal(settings.chunk_size, self.config.l2.canary_deadline_ms / 1000,
                                      self.connector.epoch)
         return None if why is None else ("model_name", why)

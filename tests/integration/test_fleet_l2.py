@@ -259,9 +259,11 @@ def test_an_identity_lookup_outliving_its_check_is_released_once_the_store_answe
             assert orch.link.registered()  # an unchecked identity never blocks a registration
             held = a.held()
             assert (held["prefetch_jobs"], held["sessions"]) == (1, 1), held
+            for _ in range(40):  # the releaser passes whenever a debt is queued
+                orch.link.pay()
+            assert orch.link.pending() == 2  # its abandon, then its session's end
         finally:
             shared.resume()
-        # Each tick tries the abandon once (20 tries a debt): paced, not spun.
         end = time.monotonic() + 15
         while orch.link.pending() and time.monotonic() < end:
             orch.tick()
