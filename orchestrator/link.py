@@ -269,8 +269,9 @@ class DaemonLink(DebtBook):
             # Refused: asked again when another incarnation answers, or after a while (a
             # proxy in front may hide a daemon's restart from the connection's epoch).
             return
+        # A probe registers: a daemon restarted behind a proxy answers pings, drops our calls
         must_register = (self.registered_epoch is None or epoch != self.registered_epoch
-                         or self._suspect.is_set())
+                         or self._suspect.is_set() or self.breaker.state == BreakerState.HALF_OPEN)
         try:
             if must_register:
                 self._suspect.clear()

@@ -2,7 +2,8 @@
 daemon (down, breaker open / half-open / closed, re-registered), each kind at most once per
 STATE_LOG_INTERVAL_S with the changes suppressed meanwhile counted in its next line; a daemon of
 another lmcache version is a WARNING at most once a minute; the heartbeat's own failures and
-request-scoped detail stay at DEBUG, naming the request."""
+request-scoped detail stay at DEBUG, naming the request. And an open breaker's probe is a
+registration."""
 
 from __future__ import annotations
 
@@ -76,8 +77,9 @@ def test_state_changes_are_rate_limited_and_the_suppressed_ones_counted(caplog):
     says how many changes were not logged."""
     orch, conn, _, clock = make(breaker={"consecutive_failures": 1, "cooldown_ms": 100})
     caplog.set_level(logging.DEBUG, logger="loadback")
-    for _ in range(3):  # open, then (probe fails) half-open -> open, twice more
-        conn.fail_next["ping"].append(DaemonTimeout("ping", 0.2))
+    # a ping fails: open; then twice the probe (a registration) fails: half-open -> open
+    for op in ("ping", "register", "register"):
+        conn.fail_next[op].append(DaemonTimeout(op, 0.2))
         orch.tick()
         clock.t += 1.0
     assert orch.breaker.state == "open"
@@ -167,4 +169,22 @@ def test_an_open_breaker_still_refreshes_what_the_operator_reads():
     # Read the gauge itself: a scrape (snapshot) would refresh it on its own, and multiprocess
     # mode (SGLang's /metrics) has no such scrape hook: the heartbeat is all it gets.
     assert orch.metrics.pending_debts._value.get() == 3
+    orch.close()
+
+
+def test_an_open_breakers_probe_registers_again_on_the_same_epoch():
+    """Pings unanswered, then the daemon answers again on the same connection (a hang that
+    ended, or a new daemon behind a proxy, which answers a ping but drops the calls of an
+    instance it never registered): the probe registers, so a store after it is not dropped."""
+    orch, conn, _, clock = make(breaker={"consecutive_failures": 1, "cooldown_ms": 100})
+    registered = conn.calls["register"]
+    conn.fail_next["ping"].append(DaemonTimeout("ping", 0.2))
+    orch.tick()
+    assert orch.breaker.state == "open" and conn.calls["register"] == registered
+    clock.t += 0.2
+    orch.tick()  # the probe
+    assert orch.breaker.state == "closed"
+    assert conn.calls["register"] == registered + 1 and orch.link.registered()
+    orch.tick()  # closed again: a ping, not a registration
+    assert conn.calls["register"] == registered + 1
     orch.close()
