@@ -60,6 +60,23 @@ def stop_process(pid: int, settle_s: float = 2.0) -> bool:
     return False
 
 
+def first_answer(endpoint: str, timeout_s: float = 30.0) -> float:
+    """The monotonic time a client of our own first got an answer (noop) from the daemon at
+    `endpoint`: when it serves again, as its users could see it (bounded)."""
+    probe = ZmqTransport(endpoint, connect_timeout_s=0.5)
+    end = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < end:
+            try:
+                probe.call("noop", [], 0.2)
+                return time.monotonic()
+            except ConnectorError:
+                continue
+    finally:
+        probe.close()
+    raise AssertionError(f"{endpoint} did not answer within {timeout_s} s")
+
+
 class DaemonStartError(RuntimeError):
     pass
 

@@ -17,12 +17,10 @@ import time
 import pytest
 import torch
 
-from lmcache_loadback.connectors.errors import ConnectorError
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
-from lmcache_loadback.connectors.transport import ZmqTransport
 from lmcache_loadback.orchestrator import LoadBackConfig, LoadBackOrchestrator, PrefixState
 from lmcache_loadback.orchestrator.policies import BreakerState
-from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.testing.daemon import DaemonProcess, first_answer
 from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
 from lmcache_loadback.testing.os_delay import OsDelay
 from tests.conftest import CHUNK, make_pool
@@ -97,22 +95,6 @@ class Engine(threading.Thread):
             self.stop.wait(0.02)
 
 
-def _first_answer(endpoint: str, timeout_s: float = 30.0) -> float:
-    """When the test's own client first got an answer from the daemon at `endpoint`."""
-    probe = ZmqTransport(endpoint, connect_timeout_s=0.5)
-    end = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < end:
-            try:
-                probe.call("noop", [], 0.2)
-                return time.monotonic()
-            except ConnectorError:
-                continue
-    finally:
-        probe.close()
-    raise AssertionError(f"{endpoint} did not answer within {timeout_s} s")
-
-
 def _recovered(engine: Engine, serving_at: float) -> tuple[float, OsDelay]:
     """Seconds from `serving_at` to the engine's first LOADED, and what the machine took."""
     engine.serving_at = serving_at
@@ -157,7 +139,7 @@ def test_hits_resume_within_2s_of_the_daemon_serving_again_on_the_defaults(fault
 
     def serve() -> float:
         d.start() if fault == "restart" else d.resume()
-        return _first_answer(d.endpoint)
+        return first_answer(d.endpoint)
     try:
         took = _run(orch, d.kill if fault == "restart" else d.pause, serve)
         print(f"{fault}: first hit {took:.2f} s after serving")
@@ -182,7 +164,7 @@ def test_hits_resume_within_2s_of_a_restart_behind_a_proxy_on_the_defaults(layou
 
     def serve() -> float:
         proxy.clear()
-        return _first_answer(proxy.endpoint)
+        return first_answer(proxy.endpoint)
     try:
         print(f"behind a proxy: first hit {_run(orch, fault, serve):.2f} s after serving")
     finally:

@@ -5,19 +5,30 @@ Every wait is on a condition with a bound; every request carries a client deadli
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmcache_loadback.testing.daemon import DaemonProcess
+from lmcache_loadback.testing.daemon import DaemonProcess, first_answer
 from lmcache_loadback.testing.fault_proxy import FaultProxy, FaultRule
 from lmcache_loadback.harness.sglang.server import Generation, SGLangServer
 
 CHUNK = 16
 PROMPT_LEN = 160  # 10 whole chunks
 NEW_TOKENS = 8
+#: How the daemon stops serving and serves again in a recovery phase: SIGSTOP then SIGCONT;
+#: SIGKILL and a new daemon behind the proxy (the engine's connection stays open); SIGKILL and
+#: a new daemon on the address the engine dials (its connection drops). The direct restart
+#: takes the proxy away for good, so it runs last.
+RECOVERY_FAULTS = ("hang", "restart_behind_proxy", "restart")
+#: The first hit after the daemon serves again, on the defaults: the product's part is within
+#: 2 s (tests/integration/test_recovery_defaults.py); the rest of this bound is a loaded 2-core
+#: machine (a CPU prefill, the store, a flush and the repeat, each maybe seconds there).
+SERVING_TO_HIT_BOUND_S = 15.0
 
 
 def prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
@@ -92,12 +103,13 @@ class Stack:
             return ref, Generation(ids, None, {}, 0.0, "flush_cache refused (requests queued)")
         return ref, self.generate(ids)
 
-    def until_hits(self, max_s: float) -> tuple[float, list[tuple[Generation, Generation]]]:
+    def until_hits(self, max_s: float, store_wait_s: float = 1.5
+                   ) -> tuple[float, list[tuple[Generation, Generation]]]:
         """Hit cycles on new prompts until one loads from LMCache; seconds taken (inf if none
         within max_s) and every cycle run."""
         t0, cycles = time.monotonic(), []
         while time.monotonic() - t0 < max_s:
-            ref, again = self.hit_cycle(self.new_seed())
+            ref, again = self.hit_cycle(self.new_seed(), store_wait_s=store_wait_s)
             cycles.append((ref, again))
             if loaded_tokens(again) > 0:
                 return time.monotonic() - t0, cycles
@@ -113,6 +125,54 @@ class Stack:
         self.daemon.kill()
         self.proxy.clear()
         return pending
+
+    def serve_again(self, fault: str, ranks: int = 1) -> float:
+        """Stop the daemon serving as `fault` (RECOVERY_FAULTS) says and make it serve again;
+        where the engine's connection cannot tell (a hang, a restart behind the proxy) only
+        after a probe failed with the breaker's backoff at its cap, every rank's (the worst
+        moment). Returns when a client of the test's own first got an answer on the address
+        the engine dials. Needs the loadback_* series on SGLang's /metrics (metrics=True)."""
+        dialed = f"tcp://127.0.0.1:{self.proxy_port}"
+        if fault == "restart":
+            self.daemon.kill()
+            self.proxy.close()  # the engine's connection drops, as when the daemon it dials dies
+            self.daemon = dataclasses.replace(self.daemon, port=self.proxy_port)
+            with ThreadPoolExecutor(1) as pool:
+                served = pool.submit(first_answer, dialed, 120.0)
+                self.daemon.start()
+                return served.result()
+        opened = self.breaker_opened()
+        if fault == "hang":
+            self.daemon.pause()
+        elif fault == "restart_behind_proxy":
+            # nothing of ours reaches the new daemon until it serves (the proxy swallows it)
+            self.proxy.add_rule(FaultRule("silence", direction="request"))
+            self.daemon.kill()
+            self.daemon.start()
+        else:
+            raise ValueError(f"fault must be one of {RECOVERY_FAULTS}, got {fault!r}")
+        # requests' LOOKUPs fail (each at its deadline): the breaker opens sooner than by
+        # heartbeats alone; open twice = a probe failed after the first cooldown, at the cap
+        wait_until(lambda: self.generate(prompt(self.new_seed())).ok
+                   and self.breaker_opened() >= opened + 2 * ranks, 120,
+                   f"{fault}: the breaker opened, probed and opened again on every rank")
+        if fault == "hang":
+            self.daemon.resume()
+        else:
+            self.proxy.clear()
+        return first_answer(dialed, 60.0)
+
+    def first_hit_after(self, served_at: float, max_s: float
+                        ) -> tuple[float, list[tuple[Generation, Generation]]]:
+        """Hit cycles (a prompt computed after `served_at`, the device tree flushed, asked
+        again) until a storage hit: seconds from `served_at` to that hit's answer (inf if none
+        within max_s), and the cycles. A short store wait keeps the figure fine-grained."""
+        took, cycles = self.until_hits(max_s, store_wait_s=0.25)
+        return (time.monotonic() - served_at if took != float("inf") else took), cycles
+
+    def breaker_opened(self) -> float:
+        """Times any rank's breaker opened, from SGLang's /metrics (summed over ranks)."""
+        return sum(self.metric('loadback_breaker_transitions_total{to="open"}'))
 
     def metric(self, series: str) -> list[float]:
         """Every sample of `series` (a name, or a name with its labels as exposed) on SGLang's

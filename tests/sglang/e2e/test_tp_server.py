@@ -3,8 +3,9 @@
 Both ranks of the server talk to the one daemon (through the fault proxy). Ours: the storage
 hit with the recomputed output; the daemon SIGSTOPped while the LOOKUP is asked and SIGKILLed
 between LOOKUP and RETRIEVE, each request completing within REQUEST_BOUND_S with the
-recomputed output and hits resuming after a restart; idle, the daemon holds no read lock and no
-session of ours (asked of the daemon). Upstream at TP 2 gets the same traffic, measured.
+recomputed output and hits resuming after a restart; on the defaults, the first hit within
+SERVING_TO_HIT_BOUND_S of a new daemon serving, behind the proxy and on the dialed address;
+idle, the daemon holds no read lock and no session of ours (asked of the daemon). Upstream at TP 2 gets the same traffic, measured.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import bring_up, report
-from .helpers import loaded_tokens, prompt, wait_until
+from .helpers import RECOVERY_FAULTS, SERVING_TO_HIT_BOUND_S, loaded_tokens, prompt, wait_until
 from .test_loadback_server import (RECOVERY_BOUND_S, assert_same_output, assert_within_bound,
                                    live, storage_hit)
 from .test_upstream_server import _restart_and_watch, killed_between_lookup_and_retrieve
@@ -117,6 +118,23 @@ def test_tp2_daemon_killed_between_lookup_and_retrieve(ours_tp):
     report("ours_tp2_kill_prepare_retrieve", faulted_latency_s=round(hit.latency_s, 3),
            down_latency_s=round(down.latency_s, 3),
            hits_resumed_after_restart_s=round(time.monotonic() - up_at, 2), daemon_after=held)
+
+
+@pytest.mark.parametrize("fault", [f for f in RECOVERY_FAULTS if f != "hang"])
+def test_tp2_first_hit_soon_after_a_restart_on_the_defaults(ours_tp, fault):
+    """Both ranks on the defaults (the YAML names only the daemon's address and chunk size):
+    from the new daemon's first answer to a client of the test's own, hit cycles until one
+    loads. Behind the proxy each rank's breaker has probed at its cap first."""
+    live(ours_tp)
+    served_at = ours_tp.serve_again(fault, ranks=TP)
+    took, cycles = ours_tp.first_hit_after(served_at, RECOVERY_BOUND_S)
+    assert_same_output(cycles)
+    assert_within_bound([g for c in cycles for g in c], f"after the {fault}")
+    assert took <= SERVING_TO_HIT_BOUND_S, (
+        f"{fault}: the first hit {took:.2f} s after the daemon served again")
+    held = _idle_and_clean(ours_tp, f"after the {fault}")
+    report(f"ours_tp2_recovery_{fault}", serving_to_first_hit_s=round(took, 2),
+           cycles=len(cycles), daemon_after=held)
 
 
 @pytest.mark.upstream
