@@ -1,10 +1,13 @@
 """`loadback sglang-demo` (`make demo`): a real SGLang 0.5.23 server with this product's
-backend beside upstream's LMCache class, under the same traffic, the daemon SIGKILLed at 35%
-of the window and a new one started at 55%; traffic goes on past the window until a hit after
-the new daemon first answered a ping (at most AFTER_CAP_S), and the table side by side (and
-`--json FILE`) gives the recovery from that answer to the first hit. Both sides run on their
-defaults (where the daemon is, its chunk size). Sides run one at a time (two servers on two
-cores would measure each other); all it starts it stops.
+backend beside upstream's LMCache class, under the same traffic; the daemon SIGKILLed once 35%
+of the window passed and a request hit, a new one started once 55% passed and a request sent
+after the kill was answered. From the new daemon's first answer to a ping, the demo also asks
+a prompt, flushes the device tree and asks it again, until a hit: a prompt the new daemon
+stored comes back at once, not a pool's round later, so the recovery from that answer to the
+first hit is the product's, not the traffic's. Traffic goes on past the window until that hit
+(at most AFTER_CAP_S), and the table side by side (and `--json FILE`) gives it. Both sides run
+on their defaults (where the daemon is, its chunk size). Sides run one at a time (two servers
+on two cores would measure each other); all it starts it stops.
 """
 
 from __future__ import annotations
@@ -33,10 +36,18 @@ PROMPT_LEN = 160
 NEW_TOKENS = 8
 MAX_TOTAL_TOKENS = 1024  # the device KV pool: 6 prompts fit, the pool below does not
 POOL = 8
+#: The kill comes once this much of the window passed and a request hit (at the latest at
+#: RESTART_AT); the new daemon starts once RESTART_AT passed and a request sent after the kill
+#: was answered (at the latest at the window's end).
 KILL_AT, RESTART_AT = 0.35, 0.55
 #: After the window, traffic runs until a hit after the new daemon served, at most this long
 #: past its first answer (a loaded machine took 22 s to start one: no fixed window fits)
 AFTER_CAP_S = 60.0
+#: A new daemon that has not served this long past the window's end never will (its start's
+#: own bound is 90 s)
+START_CAP_S = 90.0
+#: Numbers the recovery probe's requests after the traffic's (`Sent.n` orders first outputs)
+PROBE_N0 = 1_000_000
 #: `--sides`: the backends it can run, in the order it runs them
 SIDES = ("ours", "upstream")
 
@@ -71,12 +82,21 @@ class SideResult:
     sent: list[Sent] = field(default_factory=list)
     error: str | None = None
     probe_file: Path | None = None
+    #: set when the new daemon first answered a ping (`restart_s`)
+    served: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def hit_since(self, since_s: float) -> bool:
+        """A request sent at or after `since_s` (seconds into the window) has hit."""
+        return any(s.gen is not None and s.gen.ok and s.sent_s >= since_s and _loaded(s.gen) > 0
+                   for s in list(self.sent))
+
+    def answered_since(self, since_s: float) -> bool:
+        """A request sent at or after `since_s` has been answered (or given up on)."""
+        return any(s.sent_s >= since_s and s.done_s is not None for s in list(self.sent))
 
     def recovered(self) -> bool:
         """A request sent after the new daemon served has hit."""
-        return self.restart_s is not None and any(
-            s.gen is not None and s.gen.ok and s.sent_s >= self.restart_s and _loaded(s.gen) > 0
-            for s in list(self.sent))
+        return self.restart_s is not None and self.hit_since(self.restart_s)
 
     def traffic_due(self, elapsed_s: float, duration_s: float) -> bool:
         """Send more at `elapsed_s`: within the window, then until a hit after the new daemon
@@ -86,7 +106,7 @@ class SideResult:
             return True
         if self.kill_s is None:
             return False
-        since = self.restart_s if self.restart_s is not None else duration_s
+        since = self.restart_s if self.restart_s is not None else duration_s + START_CAP_S
         return elapsed_s < since + AFTER_CAP_S and not self.recovered()
 
     def summary(self) -> dict:
@@ -138,19 +158,56 @@ class SideResult:
         }
 
 
+def _after(t0: float, earliest_s: float, latest_s: float, event, stop: threading.Event) -> bool:
+    """Wait until `earliest_s` into the window, then until `event()` or `latest_s`; False if
+    stopped first."""
+    if stop.wait(max(0.0, t0 + earliest_s - time.monotonic())):
+        return False
+    while not event() and time.monotonic() - t0 < latest_s:
+        if stop.wait(0.05):  # poll interval of the traffic's record
+            return False
+    return True
+
+
 def _control(daemon: DaemonProcess, res: SideResult, t0: float, duration_s: float,
              stop: threading.Event) -> None:
-    """Kill the daemon at KILL_AT of the window and start a new one at RESTART_AT;
-    `res.restart_s` is when it first answered a ping (start() returns then), however long
-    its start took."""
-    if stop.wait(max(0.0, t0 + KILL_AT * duration_s - time.monotonic())):
+    """Kill the daemon once KILL_AT of the window passed and a request hit, start a new one
+    once RESTART_AT passed and a request sent after the kill was answered (each bounded, see
+    KILL_AT); `res.restart_s` is when it first answered a ping (start() returns then),
+    however long its start took, and `res.served` is set."""
+    if not _after(t0, KILL_AT * duration_s, RESTART_AT * duration_s,
+                  lambda: res.hit_since(0.0), stop):
         return
     daemon.kill()
     res.kill_s = time.monotonic() - t0
-    if stop.wait(max(0.0, t0 + RESTART_AT * duration_s - time.monotonic())):
+    if not _after(t0, RESTART_AT * duration_s, duration_s,
+                  lambda: res.answered_since(res.kill_s), stop):
         return
     daemon.start()
     res.restart_s = time.monotonic() - t0
+    res.served.set()
+
+
+def _recovery_probe(server: SGLangServer, res: SideResult, stop: threading.Event, t0: float,
+                    deadline_s: float) -> None:
+    """From the new daemon's first answer until a hit after it (or `stop`): a pool prompt,
+    the device tree flushed (SGLang refuses while requests run: retried, bounded), the same
+    prompt again. What the new daemon stored is asked for at once, so the recovery figure is
+    the product's re-registration and store, not the pool's revisit period."""
+    while not res.served.wait(0.2):  # bounded: `stop` ends the side
+        if stop.is_set():
+            return
+    k = 0
+    while not stop.is_set() and not res.recovered():
+        for again in (False, True):
+            if again and not server.flush_cache(timeout_s=2.0):
+                break
+            s = Sent(PROBE_N0 + 2 * k + again, k % POOL, time.monotonic() - t0)
+            res.sent.append(s)
+            s.gen = server.generate(_prompt(s.prompt_id), max_new_tokens=NEW_TOKENS,
+                                    timeout_s=deadline_s)
+            s.done_s = time.monotonic() - t0
+        k += 1
 
 
 def side_daemon(ours: bool, *, chunk_size: int, work: Path) -> DaemonProcess:
@@ -184,14 +241,19 @@ def run_side(side: str, *, python: str, duration_s: float, interval_ms: float,
         server.start()
         res.start_s = server.start_s
         progress(f"[{side}] ready in {server.start_s:.0f} s; {duration_s:.0f} s of traffic, "
-                 f"daemon killed at {KILL_AT * duration_s:.0f} s, a new one started at "
-                 f"{RESTART_AT * duration_s:.0f} s, then traffic until a hit after it serves")
+                 f"daemon killed after {KILL_AT * duration_s:.0f} s once a request hit, a new "
+                 f"one started after {RESTART_AT * duration_s:.0f} s once the outage was "
+                 f"answered, then traffic until a hit after it serves")
         t0 = time.monotonic()
         ctl = threading.Thread(target=_control, args=(daemon, res, t0, duration_s, stop),
                                daemon=True)
         ctl.start()
+        threads.append(threading.Thread(target=_recovery_probe, daemon=True,
+                                        args=(server, res, stop, t0, deadline_s)))
+        threads[-1].start()
         _traffic(server, res, threads, stop, t0, duration_s=duration_s,
                  interval_ms=interval_ms, deadline_s=deadline_s)
+        stop.set()  # the traffic is over: the probe ends after its request in flight
         ctl.join(timeout=120)
         for th in threads:  # each is bounded by its client deadline
             th.join(timeout=deadline_s + 30)
@@ -319,9 +381,10 @@ def run(args) -> int:
           f"{args.duration_s:g} s over {POOL} prompts of {PROMPT_LEN} tokens (the device pool "
           f"holds {MAX_TOTAL_TOKENS} tokens, so revisits hit only in LMCache), client deadline "
           f"{args.deadline_s:g} s; upstream's lmcache.mp.mq_timeout {args.mq_timeout_s:g} s "
-          f"(default 300). A restarted daemon is empty: recovery includes a prompt stored again "
-          f"and its next visit (each prompt comes back every "
-          f"{POOL * args.interval_ms / 1000:g} s). Done in {time.monotonic() - t0:.0f} s; "
+          f"(default 300). A restarted daemon is empty: recovery is from its first answer to a "
+          f"ping to the first hit, a prompt stored again and asked for at once (the demo "
+          f"flushes the device tree between the two; the pool alone brings a prompt back "
+          f"every {POOL * args.interval_ms / 1000:g} s). Done in {time.monotonic() - t0:.0f} s; "
           f"servers and daemons stopped.")
     if args.json:
         with open(args.json, "w") as f:

