@@ -76,9 +76,17 @@ CPU_LAYOUT = KVLayout(num_layers=4, num_heads=2, head_dim=64, dtype=torch.bfloat
 CPU_LMCACHE_TIMEOUT_S = 5.0
 
 
+#: lmcache 0.5.6's L1 evicts (LRU, a fifth of it) once it is this full (EvictionConfig's
+#: trigger_watermark): an L1 sized to the prompts plus 5% dropped the first-stored prompts'
+#: chunks on the H200, and every contender's match came back short.
+L1_WATERMARK = 0.8
+
+
 def l1_gb(layout: KVLayout, n_max: int, s_max: int) -> float:
-    """One daemon's L1: every prompt of the grid at its largest size, with room to spare."""
-    return round(max(0.25, n_max * s_max * layout.bytes_per_token / 2**30 * 1.05 + 0.25), 2)
+    """One daemon's L1: every prompt of the grid at its largest size, held under the
+    daemon's eviction watermark with a tenth to spare."""
+    data = n_max * s_max * layout.bytes_per_token / 2**30
+    return round(max(0.25, data / (L1_WATERMARK * 0.9) + 0.25), 2)
 
 
 def memory_shortfall(layout: KVLayout, n_max: int, s_max: int, daemons: int,

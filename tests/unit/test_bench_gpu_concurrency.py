@@ -142,3 +142,9 @@ class _no_raise:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_each_daemons_l1_holds_the_grid_under_its_eviction_watermark():
+    from lmcache_loadback.harness.bench.gpu_concurrency_run import L1_WATERMARK, LAYOUT, l1_gb
+    data_gb = 16 * 4096 * LAYOUT.bytes_per_token / 2**30
+    assert l1_gb(LAYOUT, 16, 4096) * L1_WATERMARK > data_gb  # none of it evicted
