@@ -40,6 +40,7 @@ from lmcache_loadback.connectors.errors import ConnectorError, DaemonTimeout
 from lmcache_loadback.connectors.kv_layout import KVLayout, KVPool
 from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector
 
+from .l2 import Owe
 from .l2_marker import MARKER_LAYOUT
 
 log = logging.getLogger("loadback")
@@ -47,8 +48,6 @@ log = logging.getLogger("loadback")
 __all__ = ["FleetIdentity", "describe_layout"]
 
 IDENTITY_SALT = "loadback-fleet-identity"
-#: Owes the daemon a release (`DebtBook.owe`).
-Owe = Callable[..., None]
 #: An owed abandon of the record's LOOKUP is tried again this long after its prefetch was
 #: still running, doubling up to the max: its 20 tries span about half a minute.
 ABANDON_RETRY_S = 0.05
@@ -73,8 +72,9 @@ class _Paced:
     """When an owed abandon whose prefetch still ran is tried again: ABANDON_RETRY_S after,
     doubling up to ABANDON_RETRY_MAX_S. Each "still running" spends one of the debt's tries,
     and the link's releaser passes whenever any debt is queued (many a second under
-    traffic): unpaced, the tries were spent within a second of a prefetch that took 14 s.
-    The releaser's thread only."""
+    traffic): unpaced, l2_shard_lost runs gave such an abandon up while the outage's
+    prefetches took up to 14.5 s.
+    Used by whichever thread pays the link's debts (one pass at a time)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
