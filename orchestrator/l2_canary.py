@@ -278,6 +278,11 @@ class L2Canary:
         if conn.epoch != epoch:  # that daemon is gone, and what it held with it
             self._owed = None
             return
+        if conn.unanswered(rid):
+            # A LOOKUP the daemon may still serve: an abandon served first finds no job
+            # (nothing freed, the session ended), and the LOOKUP then holds it all again.
+            raise _Verdict("timeout", "the daemon has not answered the LOOKUP of an earlier "
+                           "check yet")
         try:
             done = conn.abandon_lookup(toks, rid, left(), cache_salt=CANARY_SALT)
         except ConnectorError:

@@ -16,6 +16,7 @@ from lmcache_loadback.orchestrator import LoadBackConfig
 from lmcache_loadback.orchestrator.instruments import product_metrics
 from lmcache_loadback.connectors.errors import DaemonTimeout
 from lmcache_loadback.orchestrator.l2_canary import CANARY_SALT, MARKER_CHUNKS, L2Canary, marker
+from lmcache_loadback.orchestrator.l2_canary import _Verdict
 from lmcache_loadback.testing.daemon import DaemonProcess
 from lmcache_loadback.testing.redis import RedisServer, RedisUnavailable, find_redis
 
@@ -120,6 +121,40 @@ def test_canary_closed_after_a_lookup_timed_out_releases_what_it_holds(resp_flee
         assert d.client_holds().get("prefetch_jobs") == 1
     finally:
         redis.resume()
+    canary.close(5)
+    assert d.client_holds() == {}, d.held()
+
+
+def test_canary_settles_a_timed_out_lookup_only_once_the_daemon_answered_it(resp_fleet):
+    """A check's LOOKUP call unanswered (the daemon hung) may still be served. An abandon
+    served before it finds no prefetch job (nothing freed, the session ended), and the late
+    LOOKUP then takes its job, session and locks for good: the canary sends nothing for it
+    until the daemon answered that LOOKUP (its fence), then releases it."""
+    _, d = resp_fleet
+    canary, _ = _canary(d)
+    assert canary.check() == "ok", canary.last  # its connector is registered
+    conn = canary._conn
+    toks, _ = marker(d.chunk_size, MARKER_CHUNKS)
+    abandons = []
+    inner = conn.abandon_lookup
+    conn.abandon_lookup = lambda *a, **k: abandons.append(a[1]) or inner(*a, **k)
+    d.pause()
+    try:  # what a check's LOOKUP does when the daemon does not answer (_load_back)
+        with pytest.raises(DaemonTimeout):
+            conn.lookup_hit_tokens(toks, "canary-unanswered", 0.2, cache_salt=CANARY_SALT)
+        canary._owed = (toks, "canary-unanswered", conn.epoch)
+        assert conn.unanswered("canary-unanswered")
+        # what the next check does first (its admin API calls would time out here first)
+        with pytest.raises(_Verdict, match="has not answered the LOOKUP of an earlier check"):
+            canary._settle_owed(conn, lambda: 0.2)
+        assert abandons == []
+    finally:
+        d.resume()
+    end = time.monotonic() + 15
+    while conn.unanswered("canary-unanswered") and time.monotonic() < end:
+        time.sleep(0.01)  # the fence behind it answers once the daemon runs again
+    assert canary.check() == "ok", canary.last  # settles it first, then checks
+    assert abandons == ["canary-unanswered"]
     canary.close(5)
     assert d.client_holds() == {}, d.held()
 
