@@ -47,34 +47,35 @@ class StoreCalls:
         slots = check_slots(self.layout, slots[:end], end, pool_size=pool.num_slots)
         self._check_pickle_size(end)
         key = self.key(token_ids, request_id, end=end, cache_salt=cache_salt)
+        left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
+        if self.transfer != "shm":
+            # No prepare_store: lmcache 0.5.6's pickle one reserves nothing, and a daemon
+            # with a pool reserves its slots, which the pickled commit then cannot write.
+            data = dump_tensor_list(self._host_chunks(pool, slots, end))
+            return bool(self._call("commit_store", [key, self.instance_id, data], left(),
+                                   request_id=request_id))
         epoch = self.epoch  # the mapping must be the one of the daemon that answers
-        late = Store(epoch, key) if self.transfer == "shm" else None
+        late = Store(epoch, key)
         try:
             prep = self._call("prepare_store", [key, self.instance_id], timeout_s,
-                              request_id=request_id,
-                              on_late=None if late is None else late.answered)
+                              request_id=request_id, on_late=late.answered)
         except DaemonTimeout:
-            if late is not None and on_owed is not None:  # else no copy outlives the raise
+            if on_owed is not None:  # else no copy outlives the raise
                 late.kept, late.finish = self._host_chunks(pool, slots, end), self._finish_late
                 on_owed(late)
             raise
-        left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
-        if self.transfer == "shm":
-            ctx = prep.context if prep is not None else wire.ShmContext()
-            if not ctx.slots:
-                return True  # every chunk is cached already
-            views = self._reserved(ctx, epoch)
-            if on_cuda(pool):
-                self._gpu_for(pool).store(self.layout, pool, slots, list(ctx.chunk_indices),
-                                          out=views)
-            else:
-                gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots,
-                              out=views, chunk_indices=list(ctx.chunk_indices))
-            del views
-            return bool(self._call("commit_store", [key, self.instance_id, b""], left(),
-                                   request_id=request_id))
-        data = dump_tensor_list(self._host_chunks(pool, slots, end))
-        return bool(self._call("commit_store", [key, self.instance_id, data], left(),
+        ctx = prep.context if prep is not None else wire.ShmContext()
+        if not ctx.slots:
+            return True  # every chunk is cached already
+        views = self._reserved(ctx, epoch)
+        if on_cuda(pool):
+            self._gpu_for(pool).store(self.layout, pool, slots, list(ctx.chunk_indices),
+                                      out=views)
+        else:
+            gather_chunks(self.layout, pool.k_buffer, pool.v_buffer, slots,
+                          out=views, chunk_indices=list(ctx.chunk_indices))
+        del views
+        return bool(self._call("commit_store", [key, self.instance_id, b""], left(),
                                request_id=request_id))
 
     def _reserved(self, ctx: wire.ShmContext, epoch: int) -> list[torch.Tensor]:

@@ -163,7 +163,7 @@ class FleetIdentity:
         if self._conn is None:
             self._conn = LMCacheMPConnector(
                 self.endpoint, KVLayout(**MARKER_LAYOUT, chunk_size=chunk_size),
-                model_name=self._marker_model, transfer="pickle",
+                model_name=self._marker_model, transfer="auto",
                 connect_timeout_s=self.connect_timeout_s)
         return self._conn
 

@@ -7,7 +7,9 @@ proves it end to end, through the daemon's own L2 path: every `l2.canary_interva
 request path on its own thread, it
 
 1. stores a marker prefix (MARKER_CHUNKS chunks of random tokens, its own model name and salt:
-   no engine's key, and a tiny KV layout) through the daemon, by pickle;
+   no engine's key, and a tiny KV layout) through the daemon, through its shared-memory
+   pool where it offers one (lmcache 0.5.6 answers a pickled load there with slots), else
+   by pickle;
 2. waits, within the check's deadline, until the daemon's store controllers hold nothing
    pending or in flight (`/status`): the L2 write starts after STORE returns;
 3. drops the marker's L1 copy (`DELETE /cache/objects`, tier l1; its keys computed here as the
@@ -259,7 +261,7 @@ class L2Canary:
         if self._conn is None:
             self._conn = LMCacheMPConnector(
                 cfg.endpoint, KVLayout(**MARKER_LAYOUT, chunk_size=chunk_size),
-                model_name=CANARY_MODEL, transfer="pickle",
+                model_name=CANARY_MODEL, transfer="auto",
                 connect_timeout_s=cfg.deadlines.connect_ms / 1000)
         return self._conn
 

@@ -70,6 +70,31 @@ def test_store_then_retrieve_into_other_slots_is_byte_exact(daemons, dtype, num_
         assert torch.equal(a, b)
 
 
+
+def test_a_pickled_store_on_a_daemon_with_a_pool_is_kept(daemons, layout):
+    """A daemon with a pool reserves its slots at any prepare_store, which a pickled commit
+    cannot write (lmcache 0.5.6 then answers true and keeps nothing): the pickled STORE sends
+    its commit alone, and the chunks load back through the pool byte for byte."""
+    d = daemons["shm"]
+    pool = make_pool(layout, 128)
+    src, dst = torch.arange(0, 64), torch.arange(64, 128)
+    toks = torch.randint(0, 50000, (64,)).tolist()
+    pickled = LMCacheMPConnector(d.endpoint, layout, transfer="pickle")
+    shm = LMCacheMPConnector(d.endpoint, layout, transfer="shm")
+    try:
+        pickled.register(5)
+        shm.register(5)
+        assert pickled.store_from(toks, "pickled-store", pool, src, timeout_s=10)
+        pickled.end_session("pickled-store", 1)
+        assert shm.lookup_hit_tokens(toks, "shm-load", 5) == 64
+        landed = shm.retrieve_into(toks, "shm-load", pool, dst, start=0, end=64, timeout_s=10)
+        assert landed.commit(1) is True
+        shm.end_session("shm-load", 1)
+        assert same_kv(kv_of(pool, src), kv_of(pool, dst))
+    finally:
+        pickled.close()
+        shm.close()
+
 def test_shared_memory_mode_is_byte_exact_without_pickle(daemons, monkeypatch):
     import lmcache_loadback.connectors.mp_retrieve as retrieve
     import lmcache_loadback.connectors.mp_store as store

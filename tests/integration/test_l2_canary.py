@@ -7,6 +7,7 @@ start), in test order: the last one leaves the daemon's L2 broken."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
@@ -53,6 +54,21 @@ def _series(metrics, name: str) -> float:
 def _idle(d: DaemonProcess) -> None:
     """No hold of any kind, and no marker left in its L1."""
     assert d.client_holds() == {} and d.held()["objects"] == 0, d.held()
+
+
+def test_canary_checks_a_daemon_with_a_shared_memory_pool(resp_fleet):
+    """The fleet's recommended daemon (`--shm-name`) answers a pickled load with slots and
+    keeps a pickled store's reservation unwritten: the canary moves its marker through the
+    pool there, and its check is ok."""
+    redis = resp_fleet[0]
+    with DaemonProcess(http=True, shm_name=f"lbcanary{os.getpid()}",
+                       l2_adapter=redis.l2_adapter("resp")) as d:
+        canary, _ = _canary(d)
+        try:
+            assert [canary.check(), canary.check()] == ["ok", "ok"], canary.last
+            _idle(d)
+        finally:
+            canary.close(5)
 
 
 def test_canary_loads_its_marker_back_from_l2_and_leaves_nothing_behind(resp_fleet):

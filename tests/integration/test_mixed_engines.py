@@ -154,10 +154,10 @@ class VllmWorker:
 class SglangPool:
     """SGLang's MHATokenToKVPool buffers (page size 1: slot 0 pads) and the backend's path."""
 
-    def __init__(self, d: DaemonProcess, transfer: str) -> None:
+    def __init__(self, d: DaemonProcess, transfer: str, dtype: torch.dtype = DTYPE) -> None:
         shape = (SGLANG_SLOTS + 1, HEADS, HEAD)
-        k = [torch.zeros(shape, dtype=DTYPE) for _ in range(LAYERS)]
-        v = [torch.zeros(shape, dtype=DTYPE) for _ in range(LAYERS)]
+        k = [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]
+        v = [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]
         self.layout, self.pool = mha_layout(k, v, CHUNK)  # what LoadBackRadixCache registers
         self.orch = create_orchestrator(config(d, transfer), layout=self.layout,
                                         kv_pool=self.pool)
@@ -253,10 +253,9 @@ def test_vllm_and_sglang_load_each_others_kv_byte_exact(daemon, engines, block_s
         "vllm->sglang": [], "sglang->vllm": []}
 
 
-def test_a_vllm_server_and_an_sglang_server_share_kv_through_one_l2(engines):
-    """The fleet: the vLLM engine on daemon A, the SGLang engine on daemon B, one redis as
-    their L2. The fleet's checks at registration (hash, the KV layout recorded under the
-    model name) accept both, and each loads from L2 what the other stored, every byte."""
+@pytest.fixture(scope="module")
+def fleet():
+    """Daemons A and B with shared-memory pools and admin APIs, one redis as their L2."""
     try:
         find_redis()
     except RedisUnavailable as exc:  # make test installs it (redis-tools); say how otherwise
@@ -268,22 +267,52 @@ def test_a_vllm_server_and_an_sglang_server_share_kv_through_one_l2(engines):
             with ThreadPoolExecutor(2) as ex:
                 for f in [ex.submit(d.start) for d in (a, b)]:
                     f.result()
-            vl, sg = engines(a, b, "shm")
-            assert (vl.orch.link.refused, sg.orch.link.refused) == (None, None)
-
-            def in_l2(store: Callable[[], bool]) -> bool:
-                """STORE, then wait until redis holds its chunks (the daemon writes to L2
-                after STORE returns; a LOOKUP on the other daemon before is a miss)."""
-                before = redis.dbsize()
-                ok = store()
-                end = time.monotonic() + 15
-                while redis.dbsize() < before + PROMPT // CHUNK:
-                    assert time.monotonic() < end, "the prompt's chunks not in redis in 15 s"
-                    time.sleep(0.01)
-                return ok
-
-            assert cross_load_differences(vl, sg, seed=99, stored=in_l2) == {
-                "vllm->sglang": [], "sglang->vllm": []}
+            yield redis, a, b
         finally:
             for d in (a, b):
                 d.stop()
+
+
+def test_a_vllm_server_and_an_sglang_server_share_kv_through_one_l2(fleet, engines):
+    """The fleet: the vLLM engine on daemon A, the SGLang engine on daemon B. The fleet's
+    checks at registration (hash, the KV layout recorded under the model name) accept both,
+    and each loads from L2 what the other stored, every byte."""
+    redis, a, b = fleet
+    vl, sg = engines(a, b, "shm")
+    assert (vl.orch.link.refused, sg.orch.link.refused) == (None, None)
+
+    def in_l2(store: Callable[[], bool]) -> bool:
+        """STORE, then wait until redis holds its chunks (the daemon writes to L2 after
+        STORE returns; a LOOKUP on the other daemon before is a miss)."""
+        before = redis.dbsize()
+        ok = store()
+        end = time.monotonic() + 15
+        while redis.dbsize() < before + PROMPT // CHUNK:
+            assert time.monotonic() < end, "the prompt's chunks not in redis in 15 s"
+            time.sleep(0.01)
+        return ok
+
+    assert cross_load_differences(vl, sg, seed=99, stored=in_l2) == {
+        "vllm->sglang": [], "sglang->vllm": []}
+
+
+def test_an_sglang_engine_of_another_dtype_is_refused_by_the_vllm_engines_record(fleet):
+    """Through L2 the loading daemon lays the bytes out by its own registration, so a
+    float16 engine would load bfloat16 KV as its own: the layout the vLLM engine recorded
+    refuses it at registration, also on daemons with a shared-memory pool."""
+    _, a, b = fleet
+    vl = VllmWorker(a, "shm", 32)
+    sg = SglangPool(b, "shm", dtype=torch.float16)
+    try:
+        assert vl.orch.wait_registered(10) and vl.orch.link.refused is None
+        end = time.monotonic() + 15
+        while sg.orch.link.refused is None:
+            assert time.monotonic() < end, "the float16 engine not refused in 15 s"
+            time.sleep(0.01)
+        assert sg.orch.link.refused.startswith(
+            f"model_name {MODEL!r} (world size 1) is used in this fleet's L2 for a KV layout "
+            "of 4 layers x 2 heads x 64 dim bfloat16 (K and V)")
+        assert not sg.orch.link.registered()
+    finally:
+        vl.close()
+        sg.close()

@@ -212,7 +212,7 @@ def test_pickle_message_over_the_wire_limit_is_refused_before_sending(monkeypatc
                                timeout_s=1)
         assert sent == []
         conn.store_from(toks[:48], "ok", pool, torch.arange(48), timeout_s=1)  # at the limit
-        assert sent and sent[0][0] == "prepare_store"
+        assert sent and sent[0][0] == "commit_store"  # pickled: no prepare_store
     finally:
         conn.close()
 
