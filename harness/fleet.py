@@ -1,6 +1,7 @@
 """`loadback fleet check A B`: do two LMCache daemons share KV through one L2 store?
 
-Stores a small marker prefix through A (pickle transfer: works across hosts), then LOOKUPs
+Stores a small marker prefix through A (through each daemon's shared-memory pool where it
+offers one, else pickled: across hosts for daemons without --shm-name), then LOOKUPs
 and loads it through B, byte for byte, waiting up to --wait-s for A's L2 write (it starts
 after STORE returns). Before that, what can be told without storing: both daemons answer,
 agree on the chunk size and the model name, and (with --admin-a/--admin-b, each daemon's
@@ -219,8 +220,9 @@ def _connect(name: str, endpoint: str, model: str, timeout_s: float) -> tuple[_S
         probe.close()
         return None, Finding(False, f"daemon {name} {host}:{port}: no answer ({exc}); start it "
                              "or fix the address", EXIT_UNAVAILABLE)
+    # a daemon with a pool answers a pickled load with slots (lmcache 0.5.6): use its pool
     conn = LMCacheMPConnector(ep, KVLayout(**_LAYOUT, chunk_size=chunk), model_name=model,
-                              transport=probe.transport, transfer="pickle")
+                              transport=probe.transport, transfer="auto")
     return _Side(name, conn), Finding(True, f"daemon {name} {host}:{port} answers, chunk size {chunk}")
 
 

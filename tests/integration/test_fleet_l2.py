@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -139,6 +140,28 @@ def test_fleet_check_passes_on_a_pair_sharing_one_redis(fleet_one_redis, capsys)
     assert "FAIL" not in out and "byte-exact" in out and "one L2 store: resp" in out
     assert "ok   stores through A reach its L2" in out and "ok   stores through B reach" in out
     _assert_idle(a, b)
+
+
+def test_fleet_check_passes_on_daemons_with_shared_memory_pools(capsys):
+    """The fleet's recommended daemons (`--shm-name`) answer a pickled load with slots: the
+    check loads its marker through their pool (before: `undecodable tensor-list payload`,
+    exit 69)."""
+    with RedisServer(maxmemory="64mb") as redis:
+        a, b = (DaemonProcess(http=True, shm_name=f"lbfc{n}{os.getpid()}",
+                              l2_adapter=redis.l2_adapter("resp")) for n in "ab")
+        try:
+            with ThreadPoolExecutor(2) as ex:
+                for f in [ex.submit(d.start) for d in (a, b)]:
+                    f.result()
+            rc = loadback(["fleet", "check", _addr(a), _addr(b), "--admin-a", _admin(a),
+                           "--admin-b", _admin(b)])
+            out = capsys.readouterr().out
+            assert rc == EXIT_OK, out
+            assert "FAIL" not in out and "loaded it byte-exact" in out
+            _assert_idle(a, b)
+        finally:
+            for d in (a, b):
+                d.stop()
 
 
 def test_fleet_check_fails_naming_different_redis_servers(fleet_one_redis):
