@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmcache_loadback.connectors.ports import check_port_free, free_port
+from lmcache_loadback.connectors.ports import check_port_free, ephemeral_low, free_port
 
 from .daemon import stop_process
 
@@ -66,9 +66,10 @@ def resp_command(host: str, port: int, *args: str, timeout_s: float = 2.0) -> st
 
 
 def _free_cluster_port() -> int:
-    """A free port P whose cluster bus port P + 10000 is free too (and exists)."""
+    """A free port P whose cluster bus port P + 10000 is free too, both below the ephemeral
+    range (`free_port` says why)."""
     for _ in range(200):
-        p = free_port()
+        p = free_port(below=ephemeral_low() - 10000)
         if p + 10000 < 65536:
             try:
                 check_port_free("127.0.0.1", p + 10000)

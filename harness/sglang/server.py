@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -18,6 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmcache_loadback.connectors.ports import free_port
 from lmcache_loadback.connectors.telemetry import QUIET_TELEMETRY
 
 HERE = Path(__file__).resolve().parent
@@ -29,6 +31,14 @@ SHM_PREFIX = "/dev/shm/sglang_loads_"
 
 class ServerStartError(RuntimeError):
     pass
+
+
+class PortTaken(ServerStartError):
+    """The server's HTTP port was bound by something else before uvicorn bound it."""
+
+
+#: What uvicorn logs when its port is taken (SGLang then hangs instead of exiting).
+BIND_FAILED = "error while attempting to bind on address"
 
 
 @dataclass
@@ -131,11 +141,11 @@ class SGLangServer:
     start_s: float = field(default=0.0, init=False)
     _cwd: str | None = field(default=None, init=False, repr=False)
     _shm: set[str] = field(default_factory=set, init=False, repr=False)
+    _auto_port: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.port == 0:
-            from lmcache_loadback.connectors.ports import free_port
-
+        self._auto_port = self.port == 0
+        if self._auto_port:
             self.port = free_port()
         if not (Path(self.model_dir) / "config.json").is_file():
             raise ValueError(f"model_dir {self.model_dir} holds no config.json (a tiny llama "
@@ -171,13 +181,28 @@ class SGLangServer:
     # -- lifecycle --------------------------------------------------------------
 
     def start(self, timeout_s: float = 180.0) -> "SGLangServer":
-        """Launch and wait until /health_generate answers 200 (503 during warm-up)."""
+        """Launch and wait until /health_generate answers 200 (503 during warm-up).
+
+        SGLang whose HTTP port is taken by the time uvicorn binds it logs "address already in
+        use" and hangs in its shutdown: that is told at once, and a port this object picked
+        itself is picked anew for one more launch."""
+        try:
+            return self._start(timeout_s)
+        except PortTaken as exc:
+            if not self._auto_port:
+                raise
+            print(f"{exc}; starting again on another port", file=sys.stderr, flush=True)
+            self.port = free_port()
+            return self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> "SGLangServer":
         if self.proc and self.proc.poll() is None:
             raise ServerStartError(f"server pid {self.proc.pid} is already running")
         self._cwd = tempfile.mkdtemp(prefix="sglang-cwd-")
         if self.log_path is None:
             self.log_path = Path(self._cwd) / "server.log"
         log = open(self.log_path, "ab")
+        log_from = log.tell()
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.command(), cwd=self._cwd, env=self.env(), stdout=log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -192,6 +217,9 @@ class SGLangServer:
                         f"log: {self.log_path}\n{self.log_tail()}")
                 if self._healthy():
                     break
+                if BIND_FAILED in self._log_since(log_from):
+                    raise PortTaken(f"sglang server pid {self.proc.pid} could not bind "
+                                    f"127.0.0.1:{self.port} (address already in use)")
                 if time.monotonic() > deadline:
                     raise ServerStartError(
                         f"sglang server on {self.url} not ready within {timeout_s:.0f} s; "
@@ -249,6 +277,14 @@ class SGLangServer:
 
     def _log_in_cwd(self) -> bool:
         return self.log_path is not None and Path(self._cwd) in Path(self.log_path).parents
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, n: int = 30) -> str:
         try:
