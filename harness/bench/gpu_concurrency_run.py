@@ -134,39 +134,91 @@ def _workload(layout: KVLayout, n_max: int, s_max: int, dev: torch.device):
     return Workload(prompts, src, src_slots), dst, rand, [p.to(dev) for p in pages]
 
 
+def daemon_rounds(lmcache: bool, all_fit: bool) -> list[tuple[str, ...]]:
+    """Which LMCache contenders' daemons run beside ours, round by round: both in one round,
+    or, when the host cannot hold three daemons' L1 at once (16 x 16k on the H200 host), one
+    a round, ours and the bound timed again in each round beside it."""
+    if not lmcache:
+        return [()]
+    return [tuple(LMCACHE)] if all_fit else [(k,) for k in LMCACHE]
+
+
+def merge_rounds(per_round: list[list[dict]]) -> list[dict]:
+    """One row per cell out of rounds run one LMCache daemon at a time: the first round's row
+    (ours, ours-pipelined, the bound, its LMCache contender) with each later round's LMCache
+    contender added; the ratios against LMCache the worst over the rounds, each round's
+    LMCache over ours of the same round (side by side, as in one round); misses of every
+    round counted; each round's own row kept under `rounds`."""
+    if len(per_round) == 1:
+        return per_round[0]
+    out = []
+    for cells in zip(*per_round):
+        row = {**cells[0], "contenders": dict(cells[0]["contenders"]),
+               "missed": dict(cells[0].get("missed", {}))}
+        for i, later in enumerate(cells[1:], start=2):
+            for k in LMCACHE:
+                if k in later["contenders"] and k not in row["contenders"]:
+                    row["contenders"][k] = later["contenders"][k]
+            for key in ("vs_lmcache", "p99_vs_lmcache"):
+                vals = [c[key] for c in (row, later) if c.get(key) is not None]
+                if vals:
+                    row[key] = min(vals)
+            for k, m in later.get("missed", {}).items():
+                row["missed"][f"{k} (round {i})"] = m
+        row["rounds"] = [dict(c) for c in cells]
+        out.append(row)
+    return out
+
+
 def run_grid(ns, sizes, dev: torch.device, *, repeats: int, lmcache: bool = True,
              partial=None) -> dict:
     """The whole grid on `dev`; the report (JSON-ready). Raises when the host cannot hold it
-    (`memory_shortfall`) or one of ours fails; an LMCache contender that fails is dropped."""
+    (`memory_shortfall`, with LMCache's daemons one at a time if need be) or one of ours
+    fails; an LMCache contender that fails is dropped."""
     t_start = time.monotonic()
     cuda = dev.type == "cuda"
     layout = LAYOUT if cuda else CPU_LAYOUT
     n_max, s_max = max(ns), max(sizes)
     gb = l1_gb(layout, n_max, s_max)
-    why = memory_shortfall(layout, n_max, s_max, 1 + 2 * lmcache, dev)
+    rounds = daemon_rounds(lmcache, memory_shortfall(layout, n_max, s_max, 3, dev) is None)
+    why = memory_shortfall(layout, n_max, s_max, 1 + len(rounds[0]), dev)
     if why:
         raise MemoryError(why)
     daemons = {OURS: DaemonProcess(chunk_size=CHUNK, l1_size_gb=gb, shm_name=f"lbc{os.getpid()}")}
-    if lmcache:
-        daemons[LMCACHE[0]] = DaemonProcess(chunk_size=CHUNK, l1_size_gb=gb)
-        daemons[LMCACHE[1]] = DaemonProcess(chunk_size=CHUNK, l1_size_gb=gb, extra_args=[
-            "--max-workers", str(TUNED_WORKERS)])
-    closers, dropped = [], {}
+    for k in (LMCACHE if lmcache else ()):
+        daemons[k] = DaemonProcess(chunk_size=CHUNK, l1_size_gb=gb, extra_args=[
+            "--max-workers", str(TUNED_WORKERS)] if k.endswith("tuned") else [])
+    closers, dropped, notes, store_s, per_round = [], {}, {}, {}, []
     try:
-        with ThreadPoolExecutor(len(daemons)) as ex:
-            for f in [ex.submit(d.start, 180.0) for d in daemons.values()]:
-                f.result()
-        print(f"{len(daemons)} daemons up in {time.monotonic() - t_start:.1f} s, L1 {gb} GB each",
-              flush=True)
-        contenders, store_s = _contenders(daemons, layout, dev, n_max, s_max, closers, dropped)
-        rows = []
-        for tokens in sizes:
-            for n in ns:
-                rows.append(_cell(contenders, n, tokens, repeats, dropped))
-                if partial is not None:  # a run cut short still leaves its figures
-                    partial({"partial": True, "rows": rows, "dropped": dropped})
-        result = _report(rows, contenders, dev, layout, repeats)
+        _start(daemons[k] for k in (OURS, *rounds[0]))
+        print(f"{1 + len(rounds[0])} daemons up in {time.monotonic() - t_start:.1f} s, L1 {gb} "
+              f"GB each" + (f"; LMCache's daemons one a round ({len(rounds)} rounds): three "
+                            "do not fit the host" if len(rounds) > 1 else ""), flush=True)
+        base, wl = _ours(daemons[OURS], layout, dev, n_max, s_max, closers, store_s)
+        for r, names in enumerate(rounds):
+            if r:
+                _start(daemons[k] for k in names)
+                print(f"round {r + 1} of {len(rounds)}: {', '.join(names)}, with ours and the "
+                      "copies again", flush=True)
+            own: list = []
+            lmc = _lmcache(daemons, names, layout, dev, wl, own, dropped, store_s)
+            contenders = {**(base if r == 0 else {k: base[k] for k in (OURS, COPIES)}), **lmc}
+            notes.update({k: c.note for k, c in contenders.items()})
+            rows = []
+            for tokens in sizes:
+                for n in ns:
+                    rows.append(_cell(contenders, n, tokens, repeats, dropped))
+                    if partial is not None:  # a run cut short still leaves its figures
+                        partial({"partial": True, "rows": per_round + [rows],
+                                 "dropped": dropped})
+            per_round.append(rows)
+            if len(rounds) > 1:  # its daemon's L1 goes back before the next round's starts
+                shut_down(own, [daemons[k] for k in names])
+            else:
+                closers.extend(own)
+        result = _report(merge_rounds(per_round), notes, dev, layout, repeats)
         result.update(dropped=dropped, store_s=store_s,
+                      lmcache_rounds=[list(x) for x in rounds],
                       daemons={k: " ".join(d.command()[3:]) for k, d in daemons.items()})
     finally:
         shut_down(closers, list(daemons.values()))
@@ -174,30 +226,47 @@ def run_grid(ns, sizes, dev: torch.device, *, repeats: int, lmcache: bool = True
     return result
 
 
-def _contenders(daemons, layout, dev, n_max, s_max, closers, dropped):
-    """Every contender built and its prompts stored; an LMCache one that fails is dropped."""
+def _start(daemons) -> None:
+    daemons = list(daemons)
+    with ThreadPoolExecutor(max(1, len(daemons))) as ex:
+        for f in [ex.submit(d.start, 180.0) for d in daemons]:
+            f.result()
+
+
+def _ours(daemon, layout, dev, n_max, s_max, closers, store_s):
+    """Ours (its prompts stored), ours-pipelined and the bound; and the workload the LMCache
+    contenders share (prompts, destination pool, pages, ready clock)."""
     work, dst, rand, pages = _workload(layout, n_max, s_max, dev)
     clock = ReadyClock(dev, n_max)
-    store_s = {}
     t0 = time.perf_counter()
-    ours = OursStep(daemons[OURS].endpoint, layout, dst, dev, clock, work, rand)
+    ours = OursStep(daemon.endpoint, layout, dst, dev, clock, work, rand)
     closers.append(ours.close)
     ours.store()
     store_s[OURS] = time.perf_counter() - t0
     tries, first = ours.warm(min(s_max, 4 * CHUNK))
     print(f"ours: warm after {tries} one-request step(s)"
           + (f"; the first missed: {first}" if first else ""), flush=True)
+    print(f"{OURS}: {n_max} prompts of {s_max} tokens stored in {store_s[OURS]:.2f} s",
+          flush=True)
     piped = ours.sibling(PIPELINED_THREADS)
     closers.append(piped.close)
-    contenders = {OURS: ours, PIPELINED: piped,
-                  COPIES: CopiesStep(layout, n_max, s_max, dev, clock)}
+    return ({OURS: ours, PIPELINED: piped, COPIES: CopiesStep(layout, n_max, s_max, dev, clock)},
+            (work, dst, pages, clock))
+
+
+def _lmcache(daemons, names, layout, dev, wl, closers, dropped, store_s):
+    """The LMCache contenders `names`, each built and its prompts stored; one that fails is
+    dropped (named, with its daemon's last logged error)."""
+    work, dst, pages, clock = wl
+    out = {}
     timeout = None if dev.type == "cuda" else CPU_LMCACHE_TIMEOUT_S
-    for i, name in enumerate(k for k in LMCACHE if k in daemons):
+    for name in names:
         d = daemons[name]
         workers = "tuned, --max-workers 4" if name.endswith("tuned") else "as shipped, 1 worker"
         t0 = time.perf_counter()
         try:
-            c = LMCacheStep(d.host, d.port, layout, dst, CHUNK, i + 1, clock, work, pages,
+            c = LMCacheStep(d.host, d.port, layout, dst, CHUNK, LMCACHE.index(name) + 1, clock,
+                            work, pages,
                             f"LMCache SGLang MP connector (SGLang 0.5.20's LMCRadixCache "
                             f"calls), lmcache_driven, page {CHUNK}, daemon {workers}",
                             **({"timeout_s": timeout} if timeout else {}))
@@ -207,10 +276,9 @@ def _contenders(daemons, layout, dev, n_max, s_max, closers, dropped):
             drop(dropped, name, exc, f"setup ({_daemon_error(d)}): ")
             continue
         store_s[name] = time.perf_counter() - t0
-        contenders[name] = c
-    for k, s in store_s.items():
-        print(f"{k}: {n_max} prompts of {s_max} tokens stored in {s:.2f} s", flush=True)
-    return contenders, store_s
+        out[name] = c
+        print(f"{name}: prompts stored in {store_s[name]:.2f} s", flush=True)
+    return out
 
 
 def _daemon_error(d: DaemonProcess) -> str:
@@ -270,13 +338,12 @@ def _attempt(contenders: dict, k: str, dropped: dict, where: str, fn):
         return None
 
 
-def _report(rows, contenders, dev, layout: KVLayout, repeats: int) -> dict:
+def _report(rows, notes: dict, dev, layout: KVLayout, repeats: int) -> dict:
     cuda = dev.type == "cuda"
     device = torch.cuda.get_device_name(dev) if cuda else "cpu"
     layout_line = (f"KV {layout.num_layers} layers x {layout.num_heads} heads x "
                    f"{layout.head_dim} x K,V {layout.dtype_str} "
                    f"({layout.bytes_per_token // 1024} KiB/token), chunk {CHUNK}")
-    notes = {k: c.note for k, c in contenders.items()}
     print_report(rows, notes, device, layout_line)
     figures = judged(rows, cuda)
     met = targets_met(figures)
@@ -327,4 +394,4 @@ def run(args) -> int:
     return code
 
 
-__all__ = ["GRID_N", "REPEATS", "run", "run_grid", "verdict"]
+__all__ = ["GRID_N", "REPEATS", "daemon_rounds", "merge_rounds", "run", "run_grid", "verdict"]

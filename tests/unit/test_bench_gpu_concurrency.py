@@ -148,3 +148,34 @@ def test_each_daemons_l1_holds_the_grid_under_its_eviction_watermark():
     from lmcache_loadback.harness.bench.gpu_concurrency_run import L1_WATERMARK, LAYOUT, l1_gb
     data_gb = 16 * 4096 * LAYOUT.bytes_per_token / 2**30
     assert l1_gb(LAYOUT, 16, 4096) * L1_WATERMARK > data_gb  # none of it evicted
+
+
+def test_lmcache_daemons_run_one_a_round_only_when_three_do_not_fit():
+    from lmcache_loadback.harness.bench.gpu_concurrency_run import daemon_rounds
+    assert daemon_rounds(True, all_fit=True) == [("lmcache-p256", "lmcache-p256-tuned")]
+    assert daemon_rounds(True, all_fit=False) == [("lmcache-p256",), ("lmcache-p256-tuned",)]
+    assert daemon_rounds(False, all_fit=False) == [()]
+
+
+def test_rounds_merge_into_one_row_each_lmcache_judged_against_ours_of_its_own_round():
+    from lmcache_loadback.harness.bench.gpu_concurrency_run import merge_rounds, verdict
+    n, s = 16, 16384
+
+    def row(ours, copies, lmc_name, lmc):
+        return gc.cell_row(n, s, {"ours": _steps(ours, n), "copies": _steps(copies, n),
+                                  lmc_name: _steps(lmc, n)}, {})
+    # round 1: LMCache shipped 1.5x ours; round 2 (ours slower that round): tuned 1.25x ours
+    r1 = row([100.0], [92.0], "lmcache-p256", [150.0])
+    r2 = row([120.0], [95.0], "lmcache-p256-tuned", [150.0])
+    r2["missed"] = {"ours": {"steps": 1, "first": "timing at 16 x 16384: short"}}
+    (m,) = merge_rounds([[r1], [r2]])
+    assert set(m["contenders"]) == {"ours", "copies", "lmcache-p256", "lmcache-p256-tuned"}
+    assert m["contenders"]["ours"]["makespan_ms"] == pytest.approx(100.0)  # round 1's ours
+    assert m["contenders"]["ours"]["bound_ratio"] == pytest.approx(0.92)
+    # 150/120 of round 2, not 150/100 across rounds
+    assert m["vs_lmcache"] == pytest.approx(1.25)
+    assert [len(x["contenders"]) for x in m["rounds"]] == [3, 3]
+    assert "ours (round 2)" in m["missed"]
+    code, why = verdict({"dropped": {}, "targets_met": {}, "rows": [m]})
+    assert code == 1 and why[0].startswith("ours (round 2) missed 1 step(s) at 16 x 16k")
+    assert merge_rounds([[r1]]) == [r1]  # one round: its rows as they are
