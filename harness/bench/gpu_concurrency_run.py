@@ -315,15 +315,31 @@ def _cell(contenders: dict, n: int, tokens: int, repeats: int, dropped: dict) ->
     # when the step's last match was answered (ours: in AsyncLookups; LMCache: lookup_kv)
     extra = {k: {"matched_ms": median(c.matched_s[-len(steps[k]):]) * 1e3}
              for k, c in contenders.items() if getattr(c, "matched_s", None) and steps.get(k)}
+    for k, c in contenders.items():  # ours: each daemon call's time, by op
+        if getattr(c, "step_calls", None) and steps.get(k):
+            extra.setdefault(k, {})["calls"] = call_figures(c.step_calls[-len(steps[k]):])
     row = cell_row(n, tokens, {k: v for k, v in steps.items() if v and k in contenders}, extra)
     row["missed"] = {k: {"steps": len(v), "first": v[0]} for k, v in missed.items()}
     ours = row["contenders"].get(OURS, {})
+    if "calls" in row["contenders"].get(OURS, {}):
+        print(f"  ours' daemon calls at {n} x {size_label(tokens)}, median ms (calls per "
+              "step): " + ", ".join(f"{op} {fmt(f['median_ms'])} ({f['per_step']:g})"
+                                   for op, f in row["contenders"][OURS]["calls"].items()),
+              flush=True)
     print(f"{n} x {size_label(tokens)}: " + ", ".join(
         f"{k} {fmt(m['makespan_ms'])} ms" for k, m in row["contenders"].items())
         + f"; bound/ours {fmt(ours.get('bound_ratio'), 3)}"
         + "".join(f"; {k} missed {len(v)} step(s): {v[0]}" for k, v in missed.items()),
         flush=True)
     return row
+
+
+def call_figures(step_calls: list[dict[str, list[float]]]) -> dict:
+    """Per op over the timed steps: the median call in ms, and calls per step (median)."""
+    ops = sorted({op for st in step_calls for op in st})
+    return {op: {"median_ms": median([x for st in step_calls for x in st.get(op, [])]) * 1e3,
+                 "per_step": median([len(st.get(op, [])) for st in step_calls])}
+            for op in ops}
 
 
 def _attempt(contenders: dict, k: str, dropped: dict, where: str, fn):

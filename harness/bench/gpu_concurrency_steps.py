@@ -115,6 +115,32 @@ class ReadyClock:
         return Concurrent(start_s=0.0, ready_s=ready, bytes_each=bytes_each)
 
 
+class CallTimes:
+    """Times each call the connector sends between `begin` and `end` (bench-only: wraps the
+    connector's `_call`)."""
+
+    def __init__(self, conn) -> None:
+        self.on, self.s = False, {}
+        inner = conn._call
+
+        def timed(op, *args, **kw):
+            if not self.on:
+                return inner(op, *args, **kw)
+            t0 = time.perf_counter()
+            try:
+                return inner(op, *args, **kw)
+            finally:
+                self.s.setdefault(op, []).append(time.perf_counter() - t0)
+        conn._call = timed
+
+    def begin(self) -> None:
+        self.s, self.on = {}, True
+
+    def end(self) -> dict[str, list[float]]:
+        self.on = False
+        return self.s
+
+
 class OursStep:
     """The product through its SGLang 0.5.23 backend's calls (module docstring)."""
 
@@ -140,13 +166,17 @@ class OursStep:
             raise RuntimeError(f"ours: the daemon offers {self.conn.transfer}, not shm")
         #: Per step: seconds after the start when the last request's match was answered.
         self.matched_s: list[float] = []
+        #: Per finished step: its daemon calls' seconds from send to answer, by op (where a
+        #: match's time goes on the device: the LOOKUP, its status polls, the prepare).
+        self.step_calls: list[dict[str, list[float]]] = []
+        self.calls = CallTimes(self.conn)  # shared with a sibling: steps run one at a time
 
     def sibling(self, threads: int) -> "OursStep":
         """The same engine (connector, orchestrator, slots) with `threads` LOOKUP worker
         threads (`sglang.lookup_threads`): its steps run side by side with this one's."""
         twin = copy.copy(self)
         twin.lookups = AsyncLookups(self.orch, threads=threads)
-        twin.matched_s, twin.owner = [], False
+        twin.matched_s, twin.owner, twin.step_calls = [], False, []
         twin.note = f"the same, sglang.lookup_threads {threads}: {threads} matches at once"
         return twin
 
@@ -164,6 +194,7 @@ class OursStep:
         loaded; the step then raises `Missed` once the others landed and were released."""
         c, cfg, prompts, slots = self.clock, self.config, self.work.prompts, self.slots
         rids = [f"conc-{n}x{tokens}-{i}-{next(step_ids)}" for i in range(n)]
+        self.calls.begin()
         c.start()
         budget = cfg.deadlines.match_s(tokens, prepare=cfg.prepare_at_match) + 0.05
         jobs = {i: self.lookups.submit(rids[i], prompts[i][:tokens], 0, "",
@@ -195,7 +226,10 @@ class OursStep:
                 self.lookups.abandon(job)
             for rid in rids:
                 self.orch.finish(rid)
-        self._settle()
+        try:
+            self._settle()
+        finally:
+            self.step_calls.append(self.calls.end())
         if missed:
             i, got = missed[0]
             raise Missed(f"{len(missed)} of {n} requests got less than {tokens} tokens "

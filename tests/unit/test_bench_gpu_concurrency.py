@@ -179,3 +179,12 @@ def test_rounds_merge_into_one_row_each_lmcache_judged_against_ours_of_its_own_r
     code, why = verdict({"dropped": {}, "targets_met": {}, "rows": [m]})
     assert code == 1 and why[0].startswith("ours (round 2) missed 1 step(s) at 16 x 16k")
     assert merge_rounds([[r1]]) == [r1]  # one round: its rows as they are
+
+
+def test_call_figures_give_each_ops_median_call_and_calls_per_step():
+    from lmcache_loadback.harness.bench.gpu_concurrency_run import call_figures
+    f = call_figures([{"lookup": [0.001, 0.003], "prepare_retrieve": [0.004]},
+                      {"lookup": [0.002, 0.002], "prepare_retrieve": [0.006]},
+                      {"lookup": [0.004, 0.005]}])
+    assert f["lookup"] == {"median_ms": pytest.approx(2.5), "per_step": 2}
+    assert f["prepare_retrieve"] == {"median_ms": pytest.approx(5.0), "per_step": 1}
