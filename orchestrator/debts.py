@@ -89,9 +89,9 @@ class DebtBook:
         self.closed_dropped = 0  # debts left unpaid at close (settle), never paid
         self._closing: _CloseBudget | None = None  # close() began: what it may still spend
         self._debts: list[Debt] = []
-        #: The pass now paying (its queue and what it keeps): still owed until paid; bounded
-        #: by the debts it took from `_debts` (one per owed release), never added to.
-        self._paying: tuple[deque, list] = (deque(), [])
+        #: The pass now paying (its queue and what it keeps): still owed until paid; holds
+        #: the debts it took from `_debts` (one per owed release), never added to.
+        self._paying: tuple[deque, list] = (deque(), [])  # bounded by the debts taken
         self._lock = threading.Lock()
         self._pay_lock = threading.Lock()  # one payer at a time keeps each request's order
         self._release_wake = threading.Event()

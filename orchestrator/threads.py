@@ -38,8 +38,8 @@ class WorkerThread:
         self.orch = orch
         #: The orchestrator's LoadbackMetrics (None: an orchestrator that exports none).
         self.metrics = orch.metrics
-        # bounded by the owner: submit refuses (counts a skip) at max_queued held jobs
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        # The owner's submit refuses (counts a skip) at max_queued held jobs.
+        self._q: queue.SimpleQueue = queue.SimpleQueue()  # bounded by the owner's max_queued
         self._lock = threading.Lock()
         self._closed = False
         self.depth = 0       # jobs submitted and not yet completed (queued or running)

@@ -16,6 +16,16 @@ from lmcache_loadback.connectors.lmcache_mp import LMCacheMPConnector  # noqa: E
 CHUNK = 16
 
 
+def require_redis() -> None:
+    """Fail, never skip, where redis-server is missing: a skipped L2 test lets a broken fleet
+    pass. `make test` installs it (its redis-tools target); the message says how otherwise."""
+    from lmcache_loadback.testing.redis import RedisUnavailable, find_redis
+    try:
+        find_redis()
+    except RedisUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
 def lookups_sent(orch) -> int:
     """LOOKUP results `orch` counted (every one but `skipped`: the breaker or no daemon)."""
     return sum(int(c._value.get()) for r, c in orch.metrics._lookups.items() if r != "skipped")

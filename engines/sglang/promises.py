@@ -58,8 +58,8 @@ class StoreWorker(WorkerThread):
     queue = "store"
 
     def __init__(self, orch, *, max_queued: int = 64) -> None:
-        # bounded: a job is admitted only below max_queued (`admitted`, counted until drained)
-        self.completed: queue.SimpleQueue = queue.SimpleQueue()
+        # A job is admitted only below max_queued (`admitted`, counted until drained).
+        self.completed: queue.SimpleQueue = queue.SimpleQueue()  # bounded by max_queued
         #: Stores admitted and not yet drained (scheduler thread only). A store that went
         #: through keeps its tree lock until the scheduler thread drains it, so it counts
         #: until then; and since only the scheduler thread moves this count, at points every

@@ -31,14 +31,12 @@ from lmcache_loadback.orchestrator.exit_codes import (
     EXIT_USAGE,
 )
 from lmcache_loadback.testing.daemon import DaemonProcess
-from lmcache_loadback.testing.redis import RedisCluster, RedisServer, RedisUnavailable, find_redis
+from lmcache_loadback.testing.redis import RedisCluster, RedisServer
+from tests.conftest import require_redis
 
 pytestmark = pytest.mark.daemon
 
-try:
-    find_redis()
-except RedisUnavailable as exc:  # make test installs it (redis-tools); say how otherwise
-    pytest.skip(str(exc), allow_module_level=True)
+require_redis()
 
 HAS_GLIDE = importlib.util.find_spec("glide_sync") is not None
 LAYOUT = KVLayout(num_layers=2, num_heads=2, head_dim=32, dtype=torch.bfloat16, chunk_size=16)

@@ -19,14 +19,12 @@ from lmcache_loadback.connectors.errors import DaemonTimeout
 from lmcache_loadback.orchestrator.l2_canary import CANARY_SALT, MARKER_CHUNKS, L2Canary, marker
 from lmcache_loadback.orchestrator.l2_canary import _Verdict
 from lmcache_loadback.testing.daemon import DaemonProcess
-from lmcache_loadback.testing.redis import RedisServer, RedisUnavailable, find_redis
+from lmcache_loadback.testing.redis import RedisServer
+from tests.conftest import require_redis
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(120)]
 
-try:
-    find_redis()
-except RedisUnavailable as exc:  # make test installs it (redis-tools); say how otherwise
-    pytest.skip(str(exc), allow_module_level=True)
+require_redis()
 
 
 @pytest.fixture(scope="module")

@@ -23,15 +23,12 @@ from lmcache_loadback.orchestrator import DegradeReason, LoadBackConfig, LoadBac
 from lmcache_loadback.orchestrator import PrefixState
 from lmcache_loadback.orchestrator.policies import BreakerState
 from lmcache_loadback.testing.daemon import DaemonProcess
-from lmcache_loadback.testing.redis import RedisServer, RedisUnavailable, find_redis
-from tests.conftest import kv_of, make_pool, same_kv
+from lmcache_loadback.testing.redis import RedisServer
+from tests.conftest import kv_of, make_pool, require_redis, same_kv
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(240)]
 
-try:
-    find_redis()
-except RedisUnavailable as exc:  # make test installs it (redis-tools); say how otherwise
-    pytest.skip(str(exc), allow_module_level=True)
+require_redis()
 
 CHUNK = 256
 LAYOUT = KVLayout(num_layers=4, num_heads=2, head_dim=64, dtype=torch.bfloat16,

@@ -34,7 +34,8 @@ from lmcache_loadback.engines.vllm.paged import PagedCPUView
 from lmcache_loadback.orchestrator import LoadBackConfig
 from lmcache_loadback.orchestrator.factory import create_orchestrator
 from lmcache_loadback.testing.daemon import DaemonProcess
-from lmcache_loadback.testing.redis import RedisServer, RedisUnavailable, find_redis
+from lmcache_loadback.testing.redis import RedisServer
+from tests.conftest import require_redis
 
 pytestmark = [pytest.mark.daemon, pytest.mark.timeout(240)]
 
@@ -260,10 +261,7 @@ def test_vllm_and_sglang_load_each_others_kv_byte_exact(daemon, engines, block_s
 @pytest.fixture(scope="module")
 def fleet():
     """Daemons A and B with shared-memory pools and admin APIs, one redis as their L2."""
-    try:
-        find_redis()
-    except RedisUnavailable as exc:  # make test installs it (redis-tools); say how otherwise
-        pytest.skip(str(exc))
+    require_redis()
     with RedisServer(maxmemory="128mb") as redis:
         a, b = (DaemonProcess(chunk_size=CHUNK, http=True, shm_name=f"lbmix{n}{os.getpid()}",
                               l2_adapter=redis.l2_adapter("resp")) for n in "ab")

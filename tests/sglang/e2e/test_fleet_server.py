@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lmcache_loadback.testing.redis import RedisServer, RedisUnavailable, find_redis
+from lmcache_loadback.testing.redis import RedisServer
+from tests.conftest import require_redis
 
 from .conftest import report
 from .helpers import CHUNK, PROMPT_LEN, loaded_tokens, prompt, wait_until
@@ -32,10 +33,7 @@ from .test_loadback_server import EXPECTED_HIT, RECOVERY_BOUND_S, assert_within_
 
 pytestmark = [pytest.mark.timeout(900)]
 
-try:
-    find_redis()
-except RedisUnavailable as exc:  # make test installs it (redis-tools); say how otherwise
-    pytest.skip(str(exc), allow_module_level=True)
+require_redis()
 
 try:
     import glide_sync  # noqa: F401  the daemons' valkey adapter imports it
