@@ -110,6 +110,50 @@ def cell_row(n: int, tokens: int, steps: dict[str, list[Concurrent]], extra: dic
     return row
 
 
+def daemon_rounds(lmcache: bool, all_fit: bool) -> list[tuple[str, ...]]:
+    """Which LMCache contenders' daemons run beside ours, round by round: both in one round,
+    or, when the host cannot hold three daemons' L1 at once (16 x 16k on the H200 host), one
+    a round, ours and the bound timed again in each round beside it."""
+    if not lmcache:
+        return [()]
+    return [tuple(LMCACHE)] if all_fit else [(k,) for k in LMCACHE]
+
+
+def merge_rounds(per_round: list[list[dict]]) -> list[dict]:
+    """One row per cell out of rounds run one LMCache daemon at a time: the first round's row
+    (ours, ours-pipelined, the bound, its LMCache contender) with each later round's LMCache
+    contender added; the ratios against LMCache the worst over the rounds, each round's
+    LMCache over ours of the same round (side by side, as in one round); misses of every
+    round counted; each round's own row kept under `rounds`."""
+    if len(per_round) == 1:
+        return per_round[0]
+    out = []
+    for cells in zip(*per_round):
+        row = {**cells[0], "contenders": dict(cells[0]["contenders"]),
+               "missed": dict(cells[0].get("missed", {}))}
+        for i, later in enumerate(cells[1:], start=2):
+            for k in LMCACHE:
+                if k in later["contenders"] and k not in row["contenders"]:
+                    row["contenders"][k] = later["contenders"][k]
+            for key in ("vs_lmcache", "p99_vs_lmcache"):
+                vals = [c[key] for c in (row, later) if c.get(key) is not None]
+                if vals:
+                    row[key] = min(vals)
+            for k, m in later.get("missed", {}).items():
+                row["missed"][f"{k} (round {i})"] = m
+        row["rounds"] = [dict(c) for c in cells]
+        out.append(row)
+    return out
+
+
+def call_figures(step_calls: list[dict[str, list[float]]]) -> dict:
+    """Per op over the timed steps: the median call in ms, and calls per step (median)."""
+    ops = sorted({op for st in step_calls for op in st})
+    return {op: {"median_ms": median([x for st in step_calls for x in st.get(op, [])]) * 1e3,
+                 "per_step": median([len(st.get(op, [])) for st in step_calls])}
+            for op in ops}
+
+
 def judged(rows, cuda: bool) -> dict:
     """The targets' figures: the worst over the judged cells that ran (None: none ran, or a
     CPU device: not judged)."""
