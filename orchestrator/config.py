@@ -183,7 +183,11 @@ class LoadBackConfig(_Section):
     # the daemon's --l1-read-ttl-seconds (lmcache 0.5.6: 300, refreshed by each new lock)
     daemon_read_ttl_s: Annotated[int, Meta(
         ge=1, description="the daemon's --l1-read-ttl-seconds")] = 300
-    model_name: str = "loadback"
+    # the name the daemon keys this engine's chunks under (L1 and L2). "" (the default): the
+    # engine's model, as LMCache's own integrations name it (SGLang's --model-path, vLLM's
+    # --model), so engines of different models never read each other's KV; set one name for
+    # engines that load the same model from different paths and share KV (a fleet)
+    model_name: str = ""
     chunk_size: Annotated[int, Meta(gt=0, description="must equal the daemon's --chunk-size")] = 256
     deadlines: Deadlines = Deadlines()
     retries: Retries = Retries()
@@ -205,6 +209,11 @@ class LoadBackConfig(_Section):
     @property
     def endpoint(self) -> str:
         return f"tcp://{self.mp_host}:{self.mp_port}"
+
+    def cache_model(self, engine_model: str | None = None) -> str:
+        """The name the daemon keys chunks under: `model_name`, else the engine's model, else
+        FALLBACK_MODEL (a tool or test with no engine)."""
+        return self.model_name or engine_model or FALLBACK_MODEL
 
     def check_reload(self, new: "LoadBackConfig") -> None:
         """Raise ConfigError if `new` changes a key a running process cannot take on: where
@@ -363,6 +372,8 @@ def _explain_validation(msg: str, data: dict) -> tuple[str, str]:
 
 
 #: Keys a running orchestrator cannot take on in a reload (`LoadBackConfig.check_reload`).
+#: The cache's model name where neither the YAML nor an engine names one.
+FALLBACK_MODEL = "loadback"
 RESTART_KEYS = ("mode", "mp_host", "mp_port", "transfer", "model_name", "chunk_size", "ip")
 
 

@@ -16,8 +16,11 @@ log = logging.getLogger("loadback")
 
 def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, metrics=None,
                         tp_group=None, kv_rank: int = 0, world_size: int = 1,
-                        metrics_offset: int | None = None) -> LoadBackOrchestrator:
-    """`kv_rank`/`world_size`: this process's TP rank and the TP size. With a sharded (MHA)
+                        metrics_offset: int | None = None,
+                        engine_model: str | None = None) -> LoadBackOrchestrator:
+    """`engine_model`: the engine's model (SGLang's --model-path, vLLM's --model), the cache's
+    model name unless the YAML sets `model_name`.
+    `kv_rank`/`world_size`: this process's TP rank and the TP size. With a sharded (MHA)
     layout each rank is its own KV rank; with an MLA layout see `kv_geometry`.
     `metrics_offset`: with `metrics.enabled`, this process serves on `metrics.port` + it
     (default `kv_rank`; unique per process of the engine, e.g. SGLang's DP replicas)."""
@@ -35,7 +38,7 @@ def create_orchestrator(config: LoadBackConfig, *, layout: KVLayout, kv_pool, me
         endpoint = owned.endpoint
     kv_world, kv_worker, readers, writer = kv_geometry(layout, kv_rank, world_size)
     connector = LMCacheMPConnector(
-        endpoint, layout, model_name=config.model_name, world_size=kv_world,
+        endpoint, layout, model_name=config.cache_model(engine_model), world_size=kv_world,
         kv_rank=kv_worker, num_kv_readers=readers, writer=writer, transfer=config.transfer,
         connect_timeout_s=config.deadlines.connect_ms / 1000,
         # a CUDA pool: page-lock the daemon's segment at registration, not at the first load

@@ -36,11 +36,12 @@ class LoadBackRadixCache(PrefetchHooks, StoreHooks, RadixCache):
     def __init__(self, params, *, config, tp_size: int = 1, tp_rank: int = 0,
                  tp_group=None, orchestrator: Orchestrator | None = None,
                  async_lookups: bool | None = None, config_path=None,
-                 dp_rank: int = 0) -> None:
+                 dp_rank: int = 0, engine_model: str | None = None) -> None:
         """`config_path`: the YAML `config` came from; watched on the orchestrator's
         heartbeat, and a valid change applied live to the orchestrator and to `self.config`
         (orchestrator.reload.ConfigWatcher). `dp_rank`: the data-parallel replica (its
-        metrics port)."""
+        metrics port). `engine_model`: SGLang's --model-path, the cache's model name unless the
+        YAML sets one."""
         self._tp_size = tp_size
         self._promises: dict[Any, Promise] = {}
         self._lookups: dict[Any, Lookup] = {}
@@ -61,7 +62,7 @@ class LoadBackRadixCache(PrefetchHooks, StoreHooks, RadixCache):
         self.kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         if orchestrator is None:
             orchestrator = self._build_orchestrator(config, tp_size, tp_rank, tp_group,
-                                                    dp_rank)
+                                                    dp_rank, engine_model)
         self.orch: Orchestrator = orchestrator
         self.config_watcher = None
         if config_path is not None:
@@ -104,14 +105,15 @@ class LoadBackRadixCache(PrefetchHooks, StoreHooks, RadixCache):
         group = ctx.tp_group
         group = getattr(group, "cpu_group", group) if ctx.tp_size > 1 else None
         return cls(ctx.params, config=config, tp_size=ctx.tp_size, tp_rank=ctx.tp_rank,
-                   tp_group=group, config_path=path, dp_rank=compat.dp_rank())
+                   tp_group=group, config_path=path, dp_rank=compat.dp_rank(),
+                   engine_model=getattr(ctx.server_args, "model_path", None))
 
     def _config_reloaded(self, config) -> None:
         """The watcher applied a changed file to the orchestrator: the backend's own copy
         follows (its store deadline, ...). Runs on the heartbeat thread."""
         self.config = config
 
-    def _build_orchestrator(self, config, tp_size, tp_rank, tp_group, dp_rank):
+    def _build_orchestrator(self, config, tp_size, tp_rank, tp_group, dp_rank, engine_model):
         from lmcache_loadback.orchestrator.factory import create_orchestrator
 
         chunk = config.ip.chunk_size if config.mode == "ip" else config.chunk_size
@@ -122,7 +124,8 @@ class LoadBackRadixCache(PrefetchHooks, StoreHooks, RadixCache):
         # Every scheduler process its own metrics port: DP replicas each hold TP ranks from 0.
         return create_orchestrator(config, layout=layout, kv_pool=kv_pool,
                                    tp_group=tp_group, kv_rank=tp_rank, world_size=tp_size,
-                                   metrics_offset=dp_rank * tp_size + tp_rank)
+                                   metrics_offset=dp_rank * tp_size + tp_rank,
+                                   engine_model=engine_model)
 
     def close(self) -> None:
         if self._worker is not None:

@@ -93,7 +93,8 @@ class SchedulerSide:
         # One LOOKUP per request for every TP rank (worker_id None, world size tp): it
         # read-locks each rank's shard of the hit chunks.
         self.orch = orchestrator or create_orchestrator(cfg, layout=settings.layout,
-                                                        kv_pool=None, kv_rank=0, world_size=tp)
+                                                        kv_pool=None, kv_rank=0, world_size=tp,
+                                                        engine_model=settings.model)
         # Every LOOKUP's locks stay whole here until its release or its hand-off: the worker
         # ranks free what they do not load, so the session's last call is theirs (handoff.py).
         self.orch.handoff.hands_off = True

@@ -39,6 +39,8 @@ class Settings:
     scheduler_metrics_port: int | None = None
     #: `loadback.staging_tokens` was set (else it is --max-model-len)
     staging_set: bool = False
+    #: vLLM's --model: the cache's model name unless the YAML sets model_name
+    model: str | None = None
 
     @property
     def chunk_size(self) -> int:
@@ -97,7 +99,8 @@ def from_vllm(vllm_config, kv_cache_config) -> Settings:
     sched_port = extra.get(SCHED_METRICS_KEY)
     return Settings(cfg, layout, block_size, staging, str(ktc.kv_load_failure_policy), source,
                     tp, None if sched_port in (None, "") else int(sched_port),
-                    staging_set=bool(extra.get(STAGING_KEY)))
+                    staging_set=bool(extra.get(STAGING_KEY)),
+                    model=getattr(vllm_config.model_config, "model", None))
 
 
 def store_tokens_for(settings: Settings, free_bytes: int, device: str = "cuda") -> int:

@@ -59,7 +59,8 @@ class WorkerSide:
         self.view = paged_view(layers, s.layout, s.block_size, s.staging_tokens, store)
         self.orch = orchestrator or create_orchestrator(
             self.worker_config(), layout=s.layout, kv_pool=self.view.pool,
-            tp_group=tp_group if s.tp_size > 1 else None, kv_rank=rank, world_size=s.tp_size)
+            tp_group=tp_group if s.tp_size > 1 else None, kv_rank=rank, world_size=s.tp_size,
+            engine_model=s.model)
         self._stores = StoreThread(self)
         log.info("loadback: vLLM worker registered %d KV layers (%d blocks of %d tokens, "
                  "%d heads x %d, %s), daemon %s, chunk %d, staging %d tokens", s.layout.num_layers,

@@ -137,7 +137,7 @@ def report(rows: list[dict], targets: dict[str, bool], *, adapter: str, rounds: 
 
 def _orchestrator(d: DaemonProcess, sections: dict, slots: int) -> LoadBackOrchestrator:
     cfg = LoadBackConfig.from_dict({"mp_port": d.port, "chunk_size": CHUNK, **sections})
-    conn = LMCacheMPConnector(d.endpoint, LAYOUT, model_name=cfg.model_name)
+    conn = LMCacheMPConnector(d.endpoint, LAYOUT, model_name=cfg.cache_model())
     return LoadBackOrchestrator(cfg, conn, kv_pool=_pool(slots))
 
 

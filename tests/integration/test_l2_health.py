@@ -67,7 +67,7 @@ def _orch(d: DaemonProcess, *, background: bool = False, **sections) -> LoadBack
     cfg = LoadBackConfig.from_dict({"mp_port": d.port, "chunk_size": CHUNK,
                                     "deadlines": {"store_ms": 10000, **sections.pop("deadlines", {})},
                                     **sections})
-    conn = LMCacheMPConnector(d.endpoint, LAYOUT, model_name=cfg.model_name)
+    conn = LMCacheMPConnector(d.endpoint, LAYOUT, model_name=cfg.cache_model())
     orch = LoadBackOrchestrator(cfg, conn, kv_pool=make_pool(LAYOUT, 2 * 16384),
                                 start_heartbeat=background)
     if not background:

@@ -36,7 +36,7 @@ GROWN_S = 4.0  # a backoff this long already breaks the promise
 def _orch(endpoint: str, port: int, layout) -> LoadBackOrchestrator:
     """The default config: only where the daemon is and its chunk size."""
     cfg = LoadBackConfig.from_dict({"mp_port": port, "chunk_size": CHUNK})
-    conn = LMCacheMPConnector(endpoint, layout, model_name=cfg.model_name,
+    conn = LMCacheMPConnector(endpoint, layout, model_name=cfg.cache_model(),
                               connect_timeout_s=cfg.deadlines.connect_ms / 1000)
     return LoadBackOrchestrator(cfg, conn, kv_pool=make_pool(layout, 1024))
 

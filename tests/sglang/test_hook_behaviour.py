@@ -187,7 +187,7 @@ def test_scheduler_thread_wait_on_daemon_per_request(live_daemon, make_cache, ca
     assert p99 < 1.5  # lookup + retrieve deadlines bound it
 
 
-def build_context(config_file):
+def build_context(config_file, model_path="/models/tiny-llama"):
     """SGLang's own TreeCacheBuildContext, as create_tree_cache hands it to the factory."""
     import dataclasses
     from types import SimpleNamespace
@@ -197,7 +197,8 @@ def build_context(config_file):
     from .conftest import make_params
 
     values = {f.name: None for f in dataclasses.fields(TreeCacheBuildContext)}
-    values.update(server_args=SimpleNamespace(lmcache_config_file=config_file),
+    values.update(server_args=SimpleNamespace(lmcache_config_file=config_file,
+                                              model_path=model_path),
                   params=make_params(16), is_hybrid_swa=False, is_hybrid_ssm=False,
                   enable_hierarchical_cache=False, disable_radix_cache=False,
                   tp_size=1, tp_rank=0)
@@ -215,6 +216,8 @@ def test_factory_builds_from_sglang_build_context(tmp_path, monkeypatch):
     cache = build_cache(build_context(str(cfg)))   # no daemon there: a degraded start
     try:
         assert isinstance(cache, LoadBackRadixCache)
+        # the daemon keys its chunks by SGLang's --model-path (the YAML sets no model_name)
+        assert cache.orch.connector.model_name == "/models/tiny-llama"
     finally:
         cache.close()
     monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)

@@ -39,6 +39,15 @@ def engine(model_config, daemon, yaml_for):
         eng.close()
 
 
+
+def test_scheduler_and_worker_key_chunks_by_vllms_model(engine, model_config):
+    """The YAML sets no model_name: both sides key by vLLM's --model, as LMCache's own
+    connector does, so a server of another model on the daemon never reads these chunks."""
+    assert model_config.model
+    assert {side.orch.connector.model_name for side in (engine.sched.scheduler,
+                                                        engine.worker.worker)} == {
+        model_config.model}
+
 def stored(eng: MiniEngine, rid: str = "src"):
     """Prefill `rid` (a miss) so that the daemon holds PROMPT's whole chunks."""
     req = eng.request(rid, PROMPT)
