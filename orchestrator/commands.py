@@ -27,6 +27,10 @@ def deadlines_line(cfg) -> str:
             "its own deadline, then it recomputes")
 
 
+#: What an empty value of a key means, where it means more than nothing.
+EMPTY_MEANS = {"model_name": " = the engine's model (SGLang --model-path, vLLM --model)"}
+
+
 def config_command(action: str, file: str, *, as_json: bool = False) -> int:
     """`config validate FILE` (exit 0, 2 invalid, 3 unreadable) or `config show FILE`."""
     from .config import ConfigError, LoadBackConfig
@@ -49,6 +53,8 @@ def config_command(action: str, file: str, *, as_json: bool = False) -> int:
         return EXIT_OK
     width = max(len(k) for k, _, _ in rows)
     for key, value, src in rows:
+        if value == "":  # an empty string shown as one, and what it means where it means one
+            value = '""' + EMPTY_MEANS.get(key, "")
         print(f"{key:<{width}}  {value!s:<14}  ({src})")
     return EXIT_OK
 

@@ -83,6 +83,8 @@ def test_cli_validate_and_show_exit_codes(tmp_path):
     shown = _cli("config", "show", str(good))
     assert shown.returncode == 0
     assert "mode" in shown.stdout and "(file)" in shown.stdout and "(default)" in shown.stdout
+    (line,) = [ln for ln in shown.stdout.splitlines() if ln.startswith("model_name ")]
+    assert "\"\" = the engine's model (SGLang --model-path, vLLM --model)" in line
     bad = tmp_path / "bad.yaml"
     bad.write_text("deadlines:\n  lookup_ms: -1\n")
     r = _cli("config", "validate", str(bad))
