@@ -270,7 +270,7 @@ class DebtBook:
             finally:  # even a bug in this loop loses no debt
                 with self._lock:
                     self._debts = keep + list(todo) + self._debts
-                    self._paying = (deque(), [])
+                    self._paying = (deque(), [])  # bounded: emptied, refilled only from _debts
             return waiting
 
     def begin_close(self, budget_s: float) -> None:
