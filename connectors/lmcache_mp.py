@@ -10,6 +10,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from typing import Callable, Literal, Sequence
 
 import msgspec
@@ -49,6 +50,11 @@ class LMCacheMPConnector(LookupCalls, RetrieveCalls, StoreCalls, SegmentMapping)
     ("shm": slot descriptors into its L1 pool, no pickle); "auto" takes shm when the
     registration reply offers a pool, decided again at every registration. A KV pool on a
     CUDA device moves through `connectors.gpu_transfer` (`Retrieved.ready` an event)."""
+
+    #: Told (op, seconds) of each call the daemon answered in time: from its send (its
+    #: fence's, where one goes first) to its answer. The orchestrator counts them in
+    #: `loadback_daemon_call_duration_seconds{op}`; timed-out calls are not told.
+    on_call: Callable[[str, float], None] | None = None
 
     def __init__(
         self,
@@ -154,8 +160,11 @@ class LMCacheMPConnector(LookupCalls, RetrieveCalls, StoreCalls, SegmentMapping)
         if wire.OP_PLACES.get(op) == "affinity" and request_id is not None:
             fence = self._affinity_fence(request_id)
         late = {} if on_late is None else {"on_late": on_late}  # a late answer's taker
+        sent = time.perf_counter()
         frame = self.transport.call(op, [wire.encode(p) for p in payloads], timeout_s,
                                     request_id=request_id, fence=fence, **late)
+        if self.on_call is not None:
+            self.on_call(op, time.perf_counter() - sent)
         decoder = wire.DECODERS.get(op)
         if frame is None or decoder is None:
             return None

@@ -14,6 +14,7 @@ from prometheus_client import multiprocess
 
 from .labels import (
     BREAKER_STATES,
+    DAEMON_CALLS,
     DURATION_BUCKETS,
     LOADED_REASON,
     LOOKUP_RESULTS,
@@ -38,6 +39,7 @@ __all__ = [
     "DURATION_BUCKETS",
     "LOOKUP_RESULTS",
     "BREAKER_STATES",
+    "DAEMON_CALLS",
     "OUTCOME_STATES",
     "LOADED_REASON",
     "RELEASES",
@@ -157,6 +159,11 @@ class LoadbackMetrics(OperatorView, L2CanaryView, L2View):
                                            "RETRIEVE latency including retries, per prefix.",
                                            buckets=DURATION_BUCKETS, registry=reg)
 
+        h_call = Histogram("loadback_daemon_call_duration_seconds",
+                           "Each daemon call answered in time, by wire operation: from its "
+                           "send to its answer (where a request's match and load spend it).",
+                           ["op"], buckets=DURATION_BUCKETS, registry=reg)
+        self._call_duration = {c: h_call.labels(op=c) for c in DAEMON_CALLS}
         c_retries = Counter("loadback_retries_total", "Retried daemon operations.", ["op"], registry=reg)
         c_timeouts = Counter("loadback_timeouts_total", "Daemon operations past their deadline.",
                              ["op"], registry=reg)
@@ -275,6 +282,14 @@ class LoadbackMetrics(OperatorView, L2CanaryView, L2View):
     def observe_retrieve(self, seconds: float) -> None:
         """Time one prefix's RETRIEVE phase (all attempts), whatever its outcome."""
         self.retrieve_duration.observe(seconds)
+
+    def daemon_call(self, op: str, seconds: float) -> None:
+        """Time one call the daemon answered in time (`op`: one of `DAEMON_CALLS`)."""
+        try:
+            child = self._call_duration[op]
+        except KeyError:
+            child = find_child(self._call_duration, op, "daemon call", label_of)
+        child.observe(seconds)
 
     def retry(self, op: str) -> None:
         try:

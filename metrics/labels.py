@@ -18,6 +18,15 @@ DURATION_BUCKETS: tuple[float, ...] = (
 LOOKUP_RESULTS: tuple[str, ...] = ("hit", "miss", "error", "skipped")
 BREAKER_STATES: dict[str, int] = {"closed": 0, "half_open": 1, "open": 2}
 TRANSFER_MODES: tuple[str, ...] = ("shm", "pickle")
+#: The lmcache 0.5.6 daemon's wire operations (connectors/wire.py `OP_PLACES`, which a test
+#: keeps equal): the `op` of loadback_daemon_call_duration_seconds.
+DAEMON_CALLS: tuple[str, ...] = (
+    "noop", "get_chunk_size", "register_kv_cache_engine_driven_context",
+    "unregister_kv_cache_engine_driven_context", "prepare_store", "commit_store",
+    "prepare_retrieve", "commit_retrieve", "store", "retrieve", "lookup",
+    "query_prefetch_status", "wait_prefetch_status", "free_lookup_locks", "end_session", "ping",
+    "clear",
+)
 #: The releases the daemon can be owed (the `what` of loadback_releases_failed_total).
 RELEASES: tuple[str, ...] = ("free_locks", "abandon_lookup", "commit_retrieve", "end_session",
                              "commit_store")

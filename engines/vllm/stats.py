@@ -26,6 +26,7 @@ SHIP_EVERY_S = 1.0
 #: handed to the worker ranks, which count the loads.
 SCHEDULER_FAMILIES = frozenset({
     "loadback_lookups", "loadback_lookup_duration_seconds", "loadback_timeouts",
+    "loadback_daemon_call_duration_seconds",
     "loadback_retries", "loadback_breaker_state", "loadback_breaker_transitions",
     "loadback_daemon_up", "loadback_reregistrations", "loadback_late_replies",
     "loadback_stale_releases_dropped", "loadback_transfer_mode", "loadback_releases_failed",

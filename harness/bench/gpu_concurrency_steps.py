@@ -116,22 +116,20 @@ class ReadyClock:
 
 
 class CallTimes:
-    """Times each call the connector sends between `begin` and `end` (bench-only: wraps the
-    connector's `_call`)."""
+    """Each daemon call the connector's daemon answered between `begin` and `end`, by op:
+    seconds from its send to its answer, as the connector tells them (`on_call`, which also
+    feeds loadback_daemon_call_duration_seconds; the orchestrator's metric still counts)."""
 
     def __init__(self, conn) -> None:
         self.on, self.s = False, {}
-        inner = conn._call
+        counted = conn.on_call
 
-        def timed(op, *args, **kw):
-            if not self.on:
-                return inner(op, *args, **kw)
-            t0 = time.perf_counter()
-            try:
-                return inner(op, *args, **kw)
-            finally:
-                self.s.setdefault(op, []).append(time.perf_counter() - t0)
-        conn._call = timed
+        def told(op: str, seconds: float) -> None:
+            if self.on:
+                self.s.setdefault(op, []).append(seconds)
+            if counted is not None:
+                counted(op, seconds)
+        conn.on_call = told
 
     def begin(self) -> None:
         self.s, self.on = {}, True

@@ -89,6 +89,17 @@ def test_fresh_instance_exposes_every_child_at_zero():
     assert sum(k.startswith("loadback_prefix_outcomes_total{") for k in snap) == 1 + len(REASONS)
 
 
+def test_daemon_calls_are_the_wire_operations():
+    """Every operation the connector sends has its pre-created series, and no other."""
+    from lmcache_loadback.connectors.wire import OP_PLACES
+    from lmcache_loadback.metrics.labels import DAEMON_CALLS
+
+    assert DAEMON_CALLS == tuple(OP_PLACES)
+    snap = make().snapshot()
+    counts = {k for k in snap if k.startswith("loadback_daemon_call_duration_seconds_count{")}
+    assert counts == {f"loadback_daemon_call_duration_seconds_count{{op={op}}}" for op in OP_PLACES}
+
+
 def test_label_sets_come_from_the_state_table_and_enums():
     from lmcache_loadback.orchestrator.states import DegradeReason, PrefixState, transition_pairs
 
@@ -174,6 +185,12 @@ CASES = [
      {"loadback_retrieve_duration_seconds_count": 1, "loadback_retrieve_duration_seconds_sum": 0.7,
       **{f"loadback_retrieve_duration_seconds_bucket{{le={float(b)}}}": 1 for b in DURATION_BUCKETS if b >= 0.7},
       "loadback_retrieve_duration_seconds_bucket{le=+Inf}": 1}),
+    ("daemon call", lambda m: m.daemon_call("prepare_retrieve", 0.003),
+     {"loadback_daemon_call_duration_seconds_count{op=prepare_retrieve}": 1,
+      "loadback_daemon_call_duration_seconds_sum{op=prepare_retrieve}": 0.003,
+      **{f"loadback_daemon_call_duration_seconds_bucket{{le={float(b)},op=prepare_retrieve}}": 1
+         for b in DURATION_BUCKETS if b >= 0.003},
+      "loadback_daemon_call_duration_seconds_bucket{le=+Inf,op=prepare_retrieve}": 1}),
     ("retry", lambda m: m.retry("retrieve"), {"loadback_retries_total{op=retrieve}": 1}),
     ("timeout", lambda m: m.timeout("lookup"), {"loadback_timeouts_total{op=lookup}": 1}),
     ("breaker open", lambda m: m.breaker("open"),
@@ -278,6 +295,7 @@ UNKNOWN = [
     ("lookup result", lambda m: m.observe_lookup(0.1, "maybe")),
     ("retry op", lambda m: m.retry("evict")),
     ("timeout op", lambda m: m.timeout("evict")),
+    ("daemon call", lambda m: m.daemon_call("evict", 0.001)),
     ("breaker", lambda m: m.breaker("ajar")),
     ("set_live", lambda m: m.set_live("zombie", 1)),
     ("live_delta", lambda m: m.live_delta("zombie", 1)),
