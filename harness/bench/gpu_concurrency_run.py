@@ -95,8 +95,8 @@ def l1_gb(layout: KVLayout, n_max: int, s_max: int) -> float:
 def memory_shortfall(layout: KVLayout, n_max: int, s_max: int, daemons: int,
                      dev: torch.device) -> str | None:
     """Why the host cannot hold the grid (None: it can): the daemons' L1 against the host's
-    available memory; on CUDA the source, destination and copies' pools against the free
-    device memory."""
+    available memory; on CUDA the destination and copies' pools and one prompt's source
+    against the free device memory."""
     need = daemons * l1_gb(layout, n_max, s_max) * 2**30
     avail = _mem_available()
     fix = "narrow the grid with --concurrency / --tokens"
@@ -105,9 +105,10 @@ def memory_shortfall(layout: KVLayout, n_max: int, s_max: int, daemons: int,
                 f"{n_max} x {size_label(s_max)} tokens, {avail / 2**30:.1f} GiB available: {fix}")
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
-        pools = 3 * n_max * s_max * layout.bytes_per_token
+        pools = (2 * n_max + 1) * s_max * layout.bytes_per_token
         if pools > 0.9 * free:
-            return (f"the source, destination and copies' pools need {pools / 2**30:.1f} GiB "
+            return (f"the destination and copies' pools and a prompt's source need "
+                    f"{pools / 2**30:.1f} GiB "
                     f"on {torch.cuda.get_device_name(dev)}, {free / 2**30:.1f} GiB free: {fix}")
     return None
 
@@ -124,17 +125,16 @@ def _mem_available() -> int | None:
 
 
 def _workload(layout: KVLayout, n_max: int, s_max: int, dev: torch.device):
-    """The prompts, a filled source pool (prompt i in slots [i*s_max, (i+1)*s_max)), the
+    """The prompts and their source (one prompt's slots, filled per prompt: `Workload`), the
     destination pool, ours' random destination slots and LMCache's pages per prompt."""
     slots = n_max * s_max + CHUNK  # page 0 is LMCache's null block
-    src, dst = make_pool(n_max * s_max, dev, True, layout), make_pool(slots, dev, False, layout)
+    src, dst = make_pool(s_max, dev, False, layout), make_pool(slots, dev, False, layout)
     prompts = distinct_prefixes(n_max, s_max, CHUNK, seed=25)
     g = torch.Generator().manual_seed(25)
-    src_slots = [torch.arange(i * s_max, (i + 1) * s_max, device=dev) for i in range(n_max)]
     perm = torch.randperm(slots, generator=g)
     rand = [perm[i * s_max:(i + 1) * s_max].to(dev) for i in range(n_max)]
     pages = page_slots(slots, n_max * s_max, g).view(n_max, s_max)
-    return Workload(prompts, src, src_slots), dst, rand, [p.to(dev) for p in pages]
+    return Workload(prompts, src), dst, rand, [p.to(dev) for p in pages]
 
 
 def run_grid(ns, sizes, dev: torch.device, *, repeats: int, lmcache: bool = True,

@@ -108,13 +108,15 @@ def test_the_byte_exact_check_names_a_request_whose_bytes_differ():
     from lmcache_loadback.harness.bench.gpu_concurrency_steps import Workload
     from lmcache_loadback.harness.bench.gpu_contenders import make_pool
     from lmcache_loadback.harness.bench.gpu_concurrency_run import CPU_LAYOUT
-    src, dst = make_pool(64, torch.device("cpu"), True, CPU_LAYOUT), \
+    src, dst = make_pool(16, torch.device("cpu"), False, CPU_LAYOUT), \
         make_pool(64, torch.device("cpu"), False, CPU_LAYOUT)
-    w = Workload([[1] * 16, [2] * 16], src, [torch.arange(0, 16), torch.arange(16, 32)])
+    w = Workload([[1] * 16, [2] * 16], src)  # the source holds one prompt at a time
     slots = [torch.arange(32, 48), torch.arange(48, 64)]
     for i in range(2):
+        src_slots = w.fill(i)
         for a, d in zip([*src.k_buffer, *src.v_buffer], [*dst.k_buffer, *dst.v_buffer]):
-            d[slots[i]] = a[w.src_slots[i]]
+            d[slots[i]] = a[src_slots]
+    assert not torch.equal(dst.k_buffer[0][32:48], dst.k_buffer[0][48:64])  # own bytes each
     w.check("ours", dst, slots, 2, 16)
     dst.v_buffer[3][50] += 1  # one row of request 1's last V layer
     with pytest.raises(AssertionError, match="request 1 of 2 landed other bytes"):
