@@ -12,6 +12,16 @@ SITE=${SITE:-/tmp/site}  # where the wheels and the checkout's packages are inst
 mkdir -p "$OUT"
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 LMCACHE_LOG_LEVEL=WARNING
 STEPS=${STEPS:-tests bench concurrency}
+# The commit the results files name (their run.commit): the device's copy of the tree has no
+# .git, so pass LOADBACK_COMMIT=$(git rev-parse --short HEAD); git's answer where there is one.
+if [[ -z "${LOADBACK_COMMIT:-}" ]]; then
+    if c=$(git rev-parse --short HEAD 2>/dev/null); then
+        export LOADBACK_COMMIT=$c
+    else
+        echo "WARNING: LOADBACK_COMMIT is not set and there is no git here: the results" \
+             "files will name no commit (run.commit null)"
+    fi
+fi
 t() { date +%s; }
 T0=$(t)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -67,6 +67,22 @@ def test_a_cell_takes_medians_over_repeats_and_holds_ours_against_the_bound_and_
     assert r["vs_lmcache"] == pytest.approx(27.0 / 11.0)
     tuned_p99 = r["contenders"]["lmcache-p256-tuned"]["p99_ready_ms"]
     assert r["p99_vs_lmcache"] == pytest.approx(tuned_p99 / ours["p99_ready_ms"])
+    # the most any client could reach: the faster LMCache setting over the bound
+    assert r["lmcache_vs_bound"] == pytest.approx(27.0 / 9.5)
+
+
+def test_the_verdict_says_when_the_lmcache_target_is_beyond_the_link(capsys):
+    """LMCache at 1.15x the copies' makespan: no client can be 1.2x faster than it."""
+    rows = [_row([10.0], [11.5], [12.0], [10.0], n=n, tokens=s) for n in (8, 16)
+            for s in (4096, 16384)]
+    figures = gc.judged(rows, cuda=True)
+    assert figures["conc_vs_lmcache_ceiling"] == pytest.approx(1.15)
+    gc.print_verdict(figures, gc.targets_met(figures), cuda=True)
+    out = capsys.readouterr().out
+    assert "conc_vs_lmcache is out of reach on this card" in out and "reach 1.150" in out
+    roomy = gc.judged([_row([10.0], [30.0], [28.0], [9.5], n=8, tokens=4096)], cuda=True)
+    gc.print_verdict(roomy, gc.targets_met(roomy), cuda=True)
+    assert "out of reach" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("ours_ms, met", [([10.0], {"conc_bound_ratio": True,
@@ -176,6 +192,7 @@ def test_rounds_merge_into_one_row_each_lmcache_judged_against_ours_of_its_own_r
     assert m["contenders"]["ours"]["bound_ratio"] == pytest.approx(0.92)
     # 150/120 of round 2, not 150/100 across rounds
     assert m["vs_lmcache"] == pytest.approx(1.25)
+    assert m["lmcache_vs_bound"] == pytest.approx(150.0 / 95.0)  # the worse round's
     assert [len(x["contenders"]) for x in m["rounds"]] == [3, 3]
     assert "ours (round 2)" in m["missed"]
     code, why = verdict({"dropped": {}, "targets_met": {}, "rows": [m]})
