@@ -530,7 +530,7 @@ def test_grafana_dashboard_parses_and_queries_only_exposed_metrics():
     for want in ("loaded vs recomputed", "outcomes by reason", "lookup latency", "retrieve latency",
                  "breaker state", "daemon up", "live prefixes", "late replies",
                  "re-registrations", "worker queue depths", "scheduler wait", "owed releases",
-                 "fences dropped"):
+                 "fences dropped", "daemon call latency"):
         assert any(want in t for t in titles), want
     all_exprs = " ".join(exprs)
     assert "histogram_quantile(0.5" in all_exprs and "histogram_quantile(0.99" in all_exprs
