@@ -2,8 +2,8 @@
 
 Implemented by `LMCacheMPConnector` (the daemon over ZMQ) and `InMemoryConnector` (no I/O).
 Every call returns or raises a `ConnectorError` within the timeout it is given: never
-longer, never retried inside, never counted in metrics (`LMCacheMPConnector.on_call` tells
-the orchestrator each answered call's time, which it counts).
+longer, never retried inside, never counted in metrics (the orchestrator sets `on_call`, and
+`LMCacheMPConnector` tells it each answered call's time, which the orchestrator counts).
 """
 
 from __future__ import annotations

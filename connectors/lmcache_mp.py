@@ -52,8 +52,9 @@ class LMCacheMPConnector(LookupCalls, RetrieveCalls, StoreCalls, SegmentMapping)
     CUDA device moves through `connectors.gpu_transfer` (`Retrieved.ready` an event)."""
 
     #: Told (op, seconds) of each call the daemon answered in time: from its send (its
-    #: fence's, where one goes first) to its answer. The orchestrator counts them in
-    #: `loadback_daemon_call_duration_seconds{op}`; timed-out calls are not told.
+    #: fence's or probe's, where one goes first) to its answer. The orchestrator's daemon
+    #: link counts them in `loadback_daemon_call_duration_seconds{op}` (it sets this before
+    #: its heartbeat's first registration); timed-out calls are not told.
     on_call: Callable[[str, float], None] | None = None
 
     def __init__(
@@ -207,9 +208,13 @@ class LMCacheMPConnector(LookupCalls, RetrieveCalls, StoreCalls, SegmentMapping)
         # Registration and noop are both answered inline, in arrival order: a noop answer
         # without the registration's proves the daemon dropped it (another version).
         epoch = self.epoch
+        sent = time.perf_counter()
         try:
             frame = self.transport.call("register_kv_cache_engine_driven_context",
                                         [wire.encode(payload)], timeout_s, probe=True)
+            if self.on_call is not None:
+                self.on_call("register_kv_cache_engine_driven_context",
+                             time.perf_counter() - sent)
         except RequestDropped:
             raise VersionSkew(
                 f"the daemon at {self.endpoint} answers noop but drops registration: it runs "

@@ -99,10 +99,6 @@ class PrefixCalls:
     #: Called with (request_id, epoch) before a call that touches the daemon's session.
     touch: Callable[[str, int], None] | None = None
 
-    def __post_init__(self) -> None:
-        if hasattr(self.connector, "on_call"):  # a daemon over the wire: time each call
-            self.connector.on_call = self.metrics.daemon_call
-
     @property
     def relookup(self) -> bool:
         return not self.sharded

@@ -14,8 +14,7 @@ from typing import Callable
 from lmcache_loadback.connectors.base import Connector
 from lmcache_loadback.connectors.daemon_settings import DaemonSettings, read_settings
 from lmcache_loadback.connectors.errors import ConnectorError, VersionSkew
-from lmcache_loadback.metrics import LoadbackMetrics
-from lmcache_loadback.metrics.instruments import TRANSFER_MODES
+from lmcache_loadback.metrics.instruments import TRANSFER_MODES, LoadbackMetrics
 
 from .config import LoadBackConfig
 from .debts import DebtBook
@@ -70,6 +69,7 @@ class DaemonLink(DebtBook):
         self.config = config  # swapped by the orchestrator's reload
         self.breaker = breaker
         self.metrics = metrics
+        connector.on_call = metrics.daemon_call  # each answered call timed, registration on
         self._init_debts()
         self.registered_epoch: int | None = None
         self._suspect = threading.Event()  # a call went unanswered: re-register next tick

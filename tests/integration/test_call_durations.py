@@ -55,6 +55,8 @@ def test_each_answered_call_is_timed_once_under_its_op(live_daemon, layout):
     orch = LoadBackOrchestrator(cfg, conn, kv_pool=pool)
     try:
         assert orch.wait_registered(20)
+        # the heartbeat's first registration is timed: the hook is set before it starts
+        assert counts(orch).get("register_kv_cache_engine_driven_context", 0) >= 1
         seen = answered_calls(conn)
         before = counts(orch)
         prompt = list(range(5000, 5000 + 4 * CHUNK))
