@@ -161,11 +161,8 @@ class LMCacheMPConnector(LookupCalls, RetrieveCalls, StoreCalls, SegmentMapping)
         if wire.OP_PLACES.get(op) == "affinity" and request_id is not None:
             fence = self._affinity_fence(request_id)
         late = {} if on_late is None else {"on_late": on_late}  # a late answer's taker
-        sent = time.perf_counter()
-        frame = self.transport.call(op, [wire.encode(p) for p in payloads], timeout_s,
-                                    request_id=request_id, fence=fence, **late)
-        if self.on_call is not None:
-            self.on_call(op, time.perf_counter() - sent)
+        frame = self._send(op, [wire.encode(p) for p in payloads], timeout_s,
+                           request_id=request_id, fence=fence, **late)
         decoder = wire.DECODERS.get(op)
         if frame is None or decoder is None:
             return None
@@ -173,6 +170,14 @@ class LMCacheMPConnector(LookupCalls, RetrieveCalls, StoreCalls, SegmentMapping)
             return decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(f"{op}: undecodable result ({exc})") from None
+
+    def _send(self, op: str, frames: list[bytes], timeout_s: float, **kw):
+        """The transport's call; its answer's time, from the send, told to `on_call`."""
+        sent = time.perf_counter()
+        frame = self.transport.call(op, frames, timeout_s, **kw)
+        if self.on_call is not None:
+            self.on_call(op, time.perf_counter() - sent)
+        return frame
 
     def _affinity_fence(self, request_id: str) -> tuple[str, list[bytes]]:
         """A commit_retrieve of an empty range: served on the same worker thread as this
@@ -208,13 +213,9 @@ class LMCacheMPConnector(LookupCalls, RetrieveCalls, StoreCalls, SegmentMapping)
         # Registration and noop are both answered inline, in arrival order: a noop answer
         # without the registration's proves the daemon dropped it (another version).
         epoch = self.epoch
-        sent = time.perf_counter()
         try:
-            frame = self.transport.call("register_kv_cache_engine_driven_context",
-                                        [wire.encode(payload)], timeout_s, probe=True)
-            if self.on_call is not None:
-                self.on_call("register_kv_cache_engine_driven_context",
-                             time.perf_counter() - sent)
+            frame = self._send("register_kv_cache_engine_driven_context",
+                               [wire.encode(payload)], timeout_s, probe=True)
         except RequestDropped:
             raise VersionSkew(
                 f"the daemon at {self.endpoint} answers noop but drops registration: it runs "
